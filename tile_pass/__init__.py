@@ -1,0 +1,24 @@
+"""tile_pass: a torch.compile pass that tiles the LM-head matmul + cross entropy.
+
+``torch.compile(model, backend="tile_pass")`` finds ``logits = hidden @ W.T`` followed by
+``F.cross_entropy`` in the graph and replaces it with a sequence-tiled, token-weighted
+loss whose backward is derived, so the ``[tokens, vocab]`` logits never exist whole.
+"""
+
+from tile_pass import _logging  # noqa: F401  (registers TORCH_LOGS="tile_pass")
+from tile_pass.backend import Backend, backend, explain, tile_pass_backend
+from tile_pass.report import GraphReport, Report, Rewrite, Skip
+from tile_pass.tiled_loss import linear_cross_entropy
+
+__all__ = [
+    "Backend",
+    "GraphReport",
+    "Report",
+    "Rewrite",
+    "Skip",
+    "backend",
+    "explain",
+    "linear_cross_entropy",
+    "tile_pass_backend",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,220 @@
+"""The per-tile function and its *derived* gradient.
+
+One tile of the loss is ordinary PyTorch code (:meth:`LossHead.token_losses`). Its
+gradient is never written by hand: :func:`tile_kernel` traces
+``torch.autograd.grad`` of ``sum(coef * token_losses)`` with ``make_fx`` into an aten
+graph, exactly as AOTAutograd derives a joint graph, and caches it per shape/dtype/device.
+
+Two details make that graph usable inside a custom op at run time:
+
+* Tracing happens on a helper thread. A custom op's implementation runs below the
+  autograd dispatch keys, so autograd records nothing there; a fresh thread has the
+  default dispatch state, and tracing only touches fake tensors.
+* The weight gradient is accumulated in place. The derived graph ends in
+  ``acc.add_(t(t(mm(a, b))))``; :func:`_accumulate_weight_grad_in_place` rewrites that
+  into ``acc.addmm_(a, b)`` when the dtypes allow, so no ``[V, H]`` temporary is made
+  per tile. The rewrite changes where the sum lands, not what is summed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class LossHead:
+    """What a matched region computes from the hidden states of one tile of tokens."""
+
+    upcast: bool
+    ignore_index: int
+    label_smoothing: float
+
+    def token_losses(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+    ) -> torch.Tensor:
+        logits = F.linear(hidden, weight, bias)
+        if self.upcast:
+            logits = logits.float()
+        return F.cross_entropy(
+            logits,
+            target,
+            ignore_index=self.ignore_index,
+            reduction="none",
+            label_smoothing=self.label_smoothing,
+        )
+
+
+@dataclass(frozen=True)
+class KernelKey:
+    head: LossHead
+    tile: int
+    hidden_size: int
+    vocab_size: int
+    hidden_dtype: torch.dtype
+    weight_dtype: torch.dtype
+    bias_dtype: torch.dtype | None
+    target_dtype: torch.dtype
+    device: torch.device
+    need_hidden: bool
+    need_weight: bool
+    need_bias: bool
+    acc_dtype: torch.dtype  # token weights and gradient sums: float32, or float64 for float64
+
+
+class TileKernel:
+    """A traced tile function: ``(h, W, b, y, coef, dW_acc, db_acc) -> (losses, dh)``.
+
+    ``losses`` are the per-token losses of the tile; ``dh`` is ``d sum(coef * losses) / dh``
+    (or ``None``); the weight and bias gradients are added into ``dW_acc`` / ``db_acc``.
+    """
+
+    def __init__(self, key: KernelKey, graph_module: torch.fx.GraphModule):
+        self.key = key
+        self.graph_module = graph_module
+
+    def __call__(self, hidden, weight, bias, target, coef, weight_acc, bias_acc):
+        args = [hidden, weight]
+        if self.key.bias_dtype is not None:
+            args.append(bias)
+        args += [target, coef]
+        if self.key.need_weight:
+            args.append(weight_acc)
+        if self.key.need_bias:
+            args.append(bias_acc)
+        out = self.graph_module(*args)
+        return out[0], (out[1] if self.key.need_hidden else None)
+
+
+def _joint_function(key: KernelKey):
+    has_bias = key.bias_dtype is not None
+
+    def joint(*args):
+        args = list(args)
+        hidden, weight = args.pop(0), args.pop(0)
+        bias = args.pop(0) if has_bias else None
+        target, coef = args.pop(0), args.pop(0)
+        weight_acc = args.pop(0) if key.need_weight else None
+        bias_acc = args.pop(0) if key.need_bias else None
+
+        wanted = []
+        with torch.enable_grad():
+            if key.need_hidden:
+                hidden = hidden.detach().requires_grad_()
+                wanted.append(hidden)
+            if key.need_weight:
+                weight = weight.detach().requires_grad_()
+                wanted.append(weight)
+            if key.need_bias:
+                bias = bias.detach().requires_grad_()
+                wanted.append(bias)
+            losses = key.head.token_losses(hidden, weight, bias, target)
+            grads = torch.autograd.grad((losses * coef).sum(), wanted) if wanted else ()
+        grads = list(grads)
+        grad_hidden = grads.pop(0) if key.need_hidden else None
+        if key.need_weight:
+            weight_acc.add_(grads.pop(0))
+        if key.need_bias:
+            bias_acc.add_(grads.pop(0))
+        outputs = [losses.detach()]
+        if grad_hidden is not None:
+            outputs.append(grad_hidden)
+        return tuple(outputs)
+
+    return joint
+
+
+def _example_inputs(key: KernelKey) -> list[torch.Tensor]:
+    T, H, V, dev = key.tile, key.hidden_size, key.vocab_size, key.device
+    inputs = [
+        torch.empty(T, H, dtype=key.hidden_dtype, device=dev),
+        torch.empty(V, H, dtype=key.weight_dtype, device=dev),
+    ]
+    if key.bias_dtype is not None:
+        inputs.append(torch.empty(V, dtype=key.bias_dtype, device=dev))
+    inputs.append(torch.zeros(T, dtype=key.target_dtype, device=dev))
+    inputs.append(torch.empty(T, dtype=key.acc_dtype, device=dev))
+    if key.need_weight:
+        inputs.append(torch.empty(V, H, dtype=key.acc_dtype, device=dev))
+    if key.need_bias:
+        inputs.append(torch.empty(V, dtype=key.acc_dtype, device=dev))
+    return inputs
+
+
+def _strip_transpose_pairs(node: torch.fx.Node) -> torch.fx.Node:
+    while (
+        node.target is aten.t.default
+        and isinstance(node.args[0], torch.fx.Node)
+        and node.args[0].target is aten.t.default
+    ):
+        node = node.args[0].args[0]
+    return node
+
+
+def _accumulate_weight_grad_in_place(gm: torch.fx.GraphModule) -> int:
+    """Turn ``acc.add_(mm(a, b))`` (modulo double transposes) into ``acc.addmm_(a, b)``."""
+    fused = 0
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.add_.Tensor or len(node.args) != 2 or node.kwargs:
+            continue
+        acc, update = node.args
+        source = _strip_transpose_pairs(update)
+        if source.target is not aten.mm.default:
+            continue
+        a, b = source.args
+        acc_val, a_val, b_val = acc.meta.get("val"), a.meta.get("val"), b.meta.get("val")
+        if acc_val is None or a_val is None or b_val is None:
+            continue
+        if not (acc_val.dtype == a_val.dtype == b_val.dtype):
+            continue  # a half-precision tile gradient is added (upcast) into the fp32 sum
+        with gm.graph.inserting_before(node):
+            addmm = gm.graph.call_function(aten.addmm_.default, (acc, a, b))
+        addmm.meta = dict(node.meta)
+        node.replace_all_uses_with(addmm)
+        gm.graph.erase_node(node)
+        fused += 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return fused
+
+
+def _trace(key: KernelKey) -> TileKernel:
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        inputs = _example_inputs(key)
+    gm = make_fx(_joint_function(key), tracing_mode="fake")(*inputs)
+    _accumulate_weight_grad_in_place(gm)
+    return TileKernel(key, gm)
+
+
+_cache: dict[KernelKey, TileKernel] = {}
+_cache_lock = threading.Lock()
+_tracer: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def tile_kernel(key: KernelKey) -> TileKernel:
+    """The derived tile function for ``key``, traced once per process."""
+    kernel = _cache.get(key)
+    if kernel is not None:
+        return kernel
+    global _tracer
+    with _cache_lock:
+        kernel = _cache.get(key)
+        if kernel is None:
+            if _tracer is None:
+                _tracer = concurrent.futures.ThreadPoolExecutor(1, "tile_pass_tracer")
+            kernel = _tracer.submit(_trace, key).result()
+            _cache[key] = kernel
+    return kernel

@@ -1,0 +1,75 @@
+"""Tile size from a byte budget.
+
+The tiled loss keeps, per token of a tile, these ``[tile, V]`` buffers alive at once
+(the byte model the budget is divided by):
+
+* the logits tile in the model dtype (``s`` bytes per element),
+* its float32 upcast, when the loss upcasts a half-precision tile (4 bytes),
+* the float32 log-probabilities saved by ``log_softmax`` (4 bytes),
+* the float32 gradient of the logits tile (4 bytes),
+* the gradient cast back to the model dtype, when that is not float32 (``s`` bytes).
+
+So ``bytes_per_token = V * (s + 4 + 4 + [4 + s if s != 4])``; the tile is the budget
+divided by that, rounded down to a multiple of 16 tokens (GEMM-friendly) and clamped to
+``[16, 65536]``. The sequence length never enters, so one tile size serves every ``N``
+under ``dynamic=True`` without guards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Default budget for the per-tile buffers. 256 MiB keeps tiles large enough for the
+#: GEMMs to run at full speed while staying a small fraction of a large-vocab step.
+DEFAULT_TILE_BYTES = 256 * 1024 * 1024
+
+_MIN_TILE = 16
+_MAX_TILE = 65536
+
+
+def tile_bytes_per_token(vocab_size: int, logits_dtype: torch.dtype, upcast: bool) -> int:
+    """Bytes of ``[1, V]`` buffers one token of a tile keeps alive (see module docstring)."""
+    itemsize = torch.empty((), dtype=logits_dtype).element_size()
+    per_element = itemsize + 4 + 4  # logits, fp32 log-probs, fp32 gradient
+    if itemsize != 4:
+        per_element += itemsize  # gradient cast back to the model dtype
+        if upcast:
+            per_element += 4  # fp32 upcast copy of the logits tile
+    return vocab_size * per_element
+
+
+def choose_tile_tokens(
+    vocab_size: int,
+    logits_dtype: torch.dtype,
+    upcast: bool,
+    *,
+    tile_tokens: int | None = None,
+    tile_bytes: int | None = None,
+) -> int:
+    """The number of tokens per tile: ``tile_tokens`` if given, else from ``tile_bytes``."""
+    if tile_tokens is not None:
+        if tile_tokens < 1:
+            raise ValueError(f"tile_tokens must be a positive integer, got {tile_tokens}")
+        return int(tile_tokens)
+    budget = DEFAULT_TILE_BYTES if tile_bytes is None else int(tile_bytes)
+    if budget <= 0:
+        raise ValueError(f"tile_bytes must be positive, got {tile_bytes}")
+    per_token = tile_bytes_per_token(vocab_size, logits_dtype, upcast)
+    tokens = budget // max(per_token, 1)
+    tokens = (tokens // _MIN_TILE) * _MIN_TILE
+    return max(_MIN_TILE, min(_MAX_TILE, tokens))
+
+
+def effective_tile(num_tokens: int, tile_tokens: int) -> int:
+    """The tile actually run for ``num_tokens`` rows.
+
+    Batches smaller than one tile run in a single tile padded to the next power of two
+    (at least 16), so small batches neither pad to a huge tile nor trace a new tile
+    function for every distinct length.
+    """
+    if num_tokens >= tile_tokens:
+        return tile_tokens
+    padded = _MIN_TILE
+    while padded < num_tokens:
+        padded *= 2
+    return min(padded, tile_tokens)

@@ -1,0 +1,124 @@
+"""The torch.compile backend: rewrite the Dynamo graph, then hand it to an inner compiler."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from tile_pass._logging import log
+from tile_pass.matching import rewrite_graph
+from tile_pass.report import GraphReport, Report
+
+CompilerFn = Callable[[torch.fx.GraphModule, Sequence[Any]], Callable]
+_INNER_NAMES = ("inductor", "aot_eager", "eager")
+
+
+def _resolve_inner(inner: str | CompilerFn) -> CompilerFn:
+    if callable(inner):
+        return inner
+    if inner == "eager":
+        return lambda gm, example_inputs: gm.forward
+    if inner in _INNER_NAMES:
+        return torch._dynamo.lookup_backend(inner)
+    raise ValueError(
+        f"inner must be one of {_INNER_NAMES} or a torch.compile backend callable, got {inner!r}"
+    )
+
+
+class Backend:
+    """A configured tile_pass backend; pass it as ``torch.compile(fn, backend=...)``.
+
+    ``reports`` keeps the decisions for the last ``keep_reports`` graphs it compiled.
+    """
+
+    def __init__(
+        self,
+        inner: str | CompilerFn = "inductor",
+        *,
+        tile_tokens: int | None = None,
+        tile_bytes: int | None = None,
+        keep_reports: int = 64,
+    ):
+        if tile_tokens is not None and tile_tokens < 1:
+            raise ValueError(f"tile_tokens must be a positive integer, got {tile_tokens}")
+        if tile_bytes is not None and tile_bytes < 1:
+            raise ValueError(f"tile_bytes must be a positive number of bytes, got {tile_bytes}")
+        self.inner = inner
+        self.tile_tokens = tile_tokens
+        self.tile_bytes = tile_bytes
+        self._inner = _resolve_inner(inner)
+        self._graphs_seen = 0
+        self.reports: collections.deque[GraphReport] = collections.deque(maxlen=keep_reports)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        report = rewrite_graph(
+            gm,
+            graph_index=self._graphs_seen,
+            tile_tokens=self.tile_tokens,
+            tile_bytes=self.tile_bytes,
+        )
+        self._graphs_seen += 1
+        self.reports.append(report)
+        for rewrite in report.rewrites:
+            log.info("%s", rewrite)
+        for skip in report.skipped:
+            log.info("%s", skip)
+        if report.rewrites:
+            log.debug("rewritten graph %d:\n%s", report.index, gm.code)
+        return self._inner(gm, example_inputs)
+
+    def report(self) -> Report:
+        """The decisions on every graph this backend compiled (up to ``keep_reports``)."""
+        return Report(list(self.reports))
+
+    def explain(self, fn: Callable, *args: Any, **kwargs: Any) -> Report:
+        """Compile ``fn`` with this backend's options, call it once, and report the decisions.
+
+        The call runs the forward pass (with the inner compiler ``eager``, to be quick).
+        """
+        recorder = Backend(
+            "eager", tile_tokens=self.tile_tokens, tile_bytes=self.tile_bytes, keep_reports=1024
+        )
+        torch.compile(fn, backend=recorder)(*args, **kwargs)
+        return recorder.report()
+
+    def __repr__(self) -> str:
+        return (
+            f"tile_pass.backend(inner={self.inner!r}, tile_tokens={self.tile_tokens}, "
+            f"tile_bytes={self.tile_bytes})"
+        )
+
+
+def backend(
+    inner: str | CompilerFn = "inductor",
+    *,
+    tile_tokens: int | None = None,
+    tile_bytes: int | None = None,
+) -> Backend:
+    """A configured backend: ``torch.compile(model, backend=tile_pass.backend(...))``.
+
+    ``inner`` compiles the rewritten graph: ``"inductor"`` (default), ``"aot_eager"``,
+    ``"eager"`` or any backend callable. ``tile_tokens`` fixes the tile; otherwise it is
+    derived from the ``tile_bytes`` budget (see :mod:`tile_pass._tiling`).
+    """
+    return Backend(inner, tile_tokens=tile_tokens, tile_bytes=tile_bytes)
+
+
+_default_backend: Backend | None = None
+
+
+def tile_pass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """``backend="tile_pass"``: the default configuration, inner compiler inductor."""
+    global _default_backend
+    if _default_backend is None:
+        _default_backend = Backend()
+    return _default_backend(gm, example_inputs)
+
+
+def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
+    """Compile ``fn`` with tile_pass, call it once with ``args``, and report what was rewritten."""
+    return Backend("eager").explain(fn, *args, **kwargs)

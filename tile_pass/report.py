@@ -1,0 +1,121 @@
+"""What the pass did: one record per candidate region, readable as text or as a dict."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>.*)')
+
+
+def source_line(node) -> str:
+    """``file:line (function): code`` of the user frame that produced ``node``, or ``?``."""
+    trace = node.meta.get("stack_trace") if node is not None else None
+    if not trace:
+        return "?"
+    frames = list(_FRAME.finditer(trace))
+    if not frames:
+        return "?"
+    last = frames[-1]
+    path = last["file"].rsplit("/", 1)[-1]
+    return f"{path}:{last['line']} ({last['func']}): {last['code'].strip()}"
+
+
+@dataclass
+class Rewrite:
+    """A region replaced by the tiled loss."""
+
+    graph: int
+    matmul_source: str
+    loss_source: str
+    form: str
+    num_tokens: int | str
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+    reduction: str
+    tile_tokens: int
+    num_tiles: int | str
+    forward_bytes_avoided: int | str
+    backward_bytes_avoided: int | str
+
+    def __str__(self) -> str:
+        return (
+            f"[graph {self.graph}] REWRITTEN {self.form}\n"
+            f"    matmul: {self.matmul_source}\n"
+            f"    loss:   {self.loss_source}\n"
+            f"    N={self.num_tokens} H={self.hidden_size} V={self.vocab_size} {self.dtype}, "
+            f"reduction={self.reduction}, tile={self.tile_tokens} tokens x {self.num_tiles} tiles\n"
+            f"    logits avoided: {_fmt_bytes(self.forward_bytes_avoided)} in forward, "
+            f"{_fmt_bytes(self.backward_bytes_avoided)} in backward"
+        )
+
+
+@dataclass
+class Skip:
+    """A candidate region left untouched, and why."""
+
+    graph: int
+    loss_source: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"[graph {self.graph}] SKIPPED {self.loss_source}\n    why: {self.reason}"
+
+
+@dataclass
+class GraphReport:
+    """The pass's decisions on one graph that Dynamo produced."""
+
+    index: int
+    rewrites: list[Rewrite] = field(default_factory=list)
+    skipped: list[Skip] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    """Every decision the pass made while a function was compiled."""
+
+    graphs: list[GraphReport] = field(default_factory=list)
+
+    @property
+    def rewrites(self) -> list[Rewrite]:
+        return [r for g in self.graphs for r in g.rewrites]
+
+    @property
+    def skipped(self) -> list[Skip]:
+        return [s for g in self.graphs for s in g.skipped]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "graphs": len(self.graphs),
+            "rewrites": [dataclasses.asdict(r) for r in self.rewrites],
+            "skipped": [dataclasses.asdict(s) for s in self.skipped],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        lines = [
+            f"tile_pass: {len(self.graphs)} graph(s), {len(self.rewrites)} region(s) rewritten, "
+            f"{len(self.skipped)} skipped"
+        ]
+        lines += [str(r) for r in self.rewrites]
+        lines += [str(s) for s in self.skipped]
+        if not self.rewrites and not self.skipped:
+            lines.append("no linear + cross_entropy candidate was found in the compiled graphs")
+        return "\n".join(lines)
+
+
+def _fmt_bytes(n: int | str) -> str:
+    if not isinstance(n, int):
+        return f"{n} bytes"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

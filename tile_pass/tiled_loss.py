@@ -1,0 +1,346 @@
+"""The sequence-tiled, token-weighted linear + cross-entropy loss.
+
+Two custom ops carry the tile loop, so the graph that AOTAutograd and Inductor see holds
+one opaque node whose sizes are symbolic in ``N``: one compiled graph serves every
+sequence length, and no ``[N, V]`` tensor exists anywhere in it.
+
+* ``tile_pass::linear_ce_reduced`` (``reduction`` mean/sum): for each tile it runs the
+  derived tile function of :mod:`tile_pass._tile_kernel`, which yields the tile's
+  per-token losses *and* the gradient of the loss at unit upstream gradient. Backward is
+  the chain rule for a scalar output: those saved gradients times the incoming scalar.
+  Mean weights every valid token by ``1 / (global valid count)`` before the gradient is
+  derived, so the gradient is token-weighted by construction; an all-ignored batch gives
+  NaN loss and zero gradients, as eager does.
+* ``tile_pass::linear_ce_tokens`` (``reduction="none"``): forward makes only the
+  per-token losses; backward re-runs the tiles with the incoming per-token gradient as the
+  token weights (``linear_ce_tokens_backward``), so any vector-Jacobian product is exact.
+
+The count of valid tokens is a tensor, so nothing in here synchronises with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tile_pass._tile_kernel import KernelKey, LossHead, tile_kernel
+from tile_pass._tiling import choose_tile_tokens, effective_tile
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _loss_dtype(hidden: torch.Tensor, upcast: bool) -> torch.dtype:
+    return torch.float32 if upcast else hidden.dtype
+
+
+def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """Sums are float32 (float64 for float64 inputs, so a float64 oracle check is exact)."""
+    return torch.promote_types(torch.float32, hidden.dtype)
+
+
+def _run_tiles(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    coef: torch.Tensor,
+    head: LossHead,
+    tile_tokens: int,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+    token_losses_out: torch.Tensor | None = None,
+):
+    """Run every tile; return (loss sum, grad hidden, grad weight, grad bias).
+
+    Sums are kept in ``coef.dtype`` (the accumulation dtype).
+    """
+    num_tokens, hidden_size = hidden.shape
+    vocab_size = weight.shape[0]
+    tile = effective_tile(num_tokens, tile_tokens)
+    kernel = tile_kernel(
+        KernelKey(
+            head=head,
+            tile=tile,
+            hidden_size=hidden_size,
+            vocab_size=vocab_size,
+            hidden_dtype=hidden.dtype,
+            weight_dtype=weight.dtype,
+            bias_dtype=None if bias is None else bias.dtype,
+            target_dtype=target.dtype,
+            device=hidden.device,
+            need_hidden=need_hidden,
+            need_weight=need_weight,
+            need_bias=need_bias,
+            acc_dtype=coef.dtype,
+        )
+    )
+    f32 = coef.dtype
+    total = hidden.new_zeros((), dtype=f32)
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    weight_acc = weight.new_zeros(weight.shape, dtype=f32) if need_weight else None
+    bias_acc = weight.new_zeros((vocab_size,), dtype=f32) if need_bias else None
+
+    for start in range(0, num_tokens, tile):
+        stop = min(start + tile, num_tokens)
+        rows = stop - start
+        h_t, y_t, c_t = hidden[start:stop], target[start:stop], coef[start:stop]
+        if rows < tile:  # pad the last tile with ignored tokens of zero weight
+            h_t = torch.cat([h_t, h_t.new_zeros(tile - rows, hidden_size)])
+            y_t = torch.cat([y_t, y_t.new_full((tile - rows,), head.ignore_index)])
+            c_t = torch.cat([c_t, c_t.new_zeros(tile - rows)])
+        losses, grad_h_t = kernel(h_t, weight, bias, y_t, c_t, weight_acc, bias_acc)
+        total += losses.sum(dtype=f32)
+        if token_losses_out is not None:
+            token_losses_out[start:stop] = losses[:rows]
+        if grad_hidden is not None:
+            grad_hidden[start:stop] = grad_h_t[:rows]
+    return total, grad_hidden, weight_acc, bias_acc
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,))
+
+
+# --------------------------------------------------------------------------- mean / sum
+
+
+@torch.library.custom_op("tile_pass::linear_ce_reduced", mutates_args=())
+def _linear_ce_reduced(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    upcast: bool,
+    mean: bool,
+    tile_tokens: int,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    head = LossHead(upcast, ignore_index, label_smoothing)
+    valid = target != ignore_index
+    count = valid.sum()
+    coef = valid.to(_acc_dtype(hidden))
+    if mean:
+        # 1 / (global valid count) on valid tokens, 0 elsewhere (also when count == 0)
+        coef = coef / count.clamp_min(1)
+    total, grad_h, grad_w, grad_b = _run_tiles(
+        hidden, weight, bias, target, coef, head, tile_tokens, need_hidden, need_weight, need_bias
+    )
+    loss = total / count if mean else total
+    return (
+        loss.to(_loss_dtype(hidden, upcast)),
+        grad_h if grad_h is not None else _empty(hidden),
+        grad_w.to(weight.dtype) if grad_w is not None else _empty(weight),
+        grad_b.to(bias.dtype) if grad_b is not None else _empty(weight),
+    )
+
+
+@_linear_ce_reduced.register_fake
+def _(hidden, weight, bias, target, ignore_index, label_smoothing, upcast, mean,
+      tile_tokens, need_hidden, need_weight, need_bias):  # fmt: skip
+    return (
+        hidden.new_empty((), dtype=_loss_dtype(hidden, upcast)),
+        torch.empty_like(hidden) if need_hidden else _empty(hidden),
+        torch.empty_like(weight) if need_weight else _empty(weight),
+        torch.empty_like(bias) if need_bias else _empty(weight),
+    )
+
+
+def _reduced_setup_context(ctx, inputs, output):
+    ctx.need = inputs[9:12]
+    ctx.save_for_backward(*output[1:])
+
+
+def _reduced_vjp(ctx, grad_loss, _grad_h, _grad_w, _grad_b):
+    # Glue, not a gradient formula: the gradients were derived (see _tile_kernel) in
+    # forward at unit upstream gradient; the loss is a scalar, so the chain rule only
+    # scales them by the incoming gradient.
+    _check_needed(ctx, (0, 1, 2))
+    saved = ctx.saved_tensors
+    grads = [
+        (saved[i] * grad_loss).to(saved[i].dtype) if ctx.need[i] else None for i in range(3)
+    ]
+    return (*grads, None, None, None, None, None, None, None, None, None)
+
+
+_linear_ce_reduced.register_autograd(_reduced_vjp, setup_context=_reduced_setup_context)
+
+
+def _check_needed(ctx, positions):
+    for i, name in zip(positions, ("hidden", "weight", "bias")):
+        if ctx.needs_input_grad[i] and not ctx.need[i]:
+            raise RuntimeError(
+                f"tile_pass: a gradient for {name} was requested, but {name} did not require "
+                "grad when the loss was computed. Compute the loss with requires_grad set."
+            )
+
+
+# ------------------------------------------------------------------------------- none
+
+
+@torch.library.custom_op("tile_pass::linear_ce_tokens", mutates_args=())
+def _linear_ce_tokens(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    upcast: bool,
+    tile_tokens: int,
+) -> torch.Tensor:
+    head = LossHead(upcast, ignore_index, label_smoothing)
+    out = hidden.new_empty((hidden.shape[0],), dtype=_loss_dtype(hidden, upcast))
+    coef = hidden.new_zeros((hidden.shape[0],), dtype=_acc_dtype(hidden))
+    _run_tiles(hidden, weight, bias, target, coef, head, tile_tokens, False, False, False, out)
+    return out
+
+
+@_linear_ce_tokens.register_fake
+def _(hidden, weight, bias, target, ignore_index, label_smoothing, upcast, tile_tokens):
+    return hidden.new_empty((hidden.shape[0],), dtype=_loss_dtype(hidden, upcast))
+
+
+@torch.library.custom_op("tile_pass::linear_ce_tokens_backward", mutates_args=())
+def _linear_ce_tokens_backward(
+    grad_tokens: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    upcast: bool,
+    tile_tokens: int,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    head = LossHead(upcast, ignore_index, label_smoothing)
+    _, grad_h, grad_w, grad_b = _run_tiles(
+        hidden, weight, bias, target, grad_tokens.to(_acc_dtype(hidden)), head, tile_tokens,
+        need_hidden, need_weight, need_bias,
+    )  # fmt: skip
+    return (
+        grad_h if grad_h is not None else _empty(hidden),
+        grad_w.to(weight.dtype) if grad_w is not None else _empty(weight),
+        grad_b.to(bias.dtype) if grad_b is not None else _empty(weight),
+    )
+
+
+@_linear_ce_tokens_backward.register_fake
+def _(grad_tokens, hidden, weight, bias, target, ignore_index, label_smoothing, upcast,
+      tile_tokens, need_hidden, need_weight, need_bias):  # fmt: skip
+    return (
+        torch.empty_like(hidden) if need_hidden else _empty(hidden),
+        torch.empty_like(weight) if need_weight else _empty(weight),
+        torch.empty_like(bias) if need_bias else _empty(weight),
+    )
+
+
+def _tokens_setup_context(ctx, inputs, output):
+    hidden, weight, bias, target, *options = inputs
+    ctx.options = options
+    ctx.save_for_backward(hidden, weight, bias, target)
+
+
+def _tokens_vjp(ctx, grad_tokens):
+    # The per-token gradient becomes the token weights of a re-run of the tiles, whose
+    # gradient is derived (see _tile_kernel): an exact vector-Jacobian product.
+    hidden, weight, bias, target = ctx.saved_tensors
+    need = ctx.needs_input_grad[:3]
+    need = (need[0], need[1], need[2] and bias is not None)
+    grad_h, grad_w, grad_b = _linear_ce_tokens_backward(
+        grad_tokens, hidden, weight, bias, target, *ctx.options, *need
+    )
+    return (
+        grad_h if need[0] else None,
+        grad_w if need[1] else None,
+        grad_b if need[2] else None,
+        None, None, None, None, None,
+    )  # fmt: skip
+
+
+_linear_ce_tokens.register_autograd(_tokens_vjp, setup_context=_tokens_setup_context)
+
+
+# ------------------------------------------------------------------------- public API
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    tile_tokens: int | None = None,
+    tile_bytes: int | None = None,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)``, tiled.
+
+    ``hidden`` is ``[..., H]`` and ``target`` holds one class index per token (``[...]``);
+    both are flattened to ``N`` tokens. The ``[N, V]`` logits never exist: they are made
+    one tile of ``tile_tokens`` tokens at a time (default: from the ``tile_bytes`` budget,
+    see :mod:`tile_pass._tiling`), in forward and backward. ``upcast=False`` computes the
+    loss in the logits' own dtype, like calling ``F.cross_entropy`` on half-precision
+    logits. With ``reduction="none"`` the result has shape ``[N]``.
+
+    Works in eager code and inside ``torch.compile`` (no graph break, no host sync).
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    vocab_size, hidden_size = weight.shape
+    if hidden.dim() < 1 or hidden.shape[-1] != hidden_size:
+        raise ValueError(
+            f"hidden's last dimension must equal weight.shape[1] = {hidden_size}, "
+            f"got hidden of shape {tuple(hidden.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (vocab_size,):
+        raise ValueError(f"bias must have shape ({vocab_size},), got {tuple(bias.shape)}")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(
+            f"target must hold integer class indices, got dtype {target.dtype}; "
+            "class-probability targets are not supported by the tiled loss"
+        )
+    hidden = hidden.reshape(-1, hidden_size)
+    target = target.reshape(-1)
+    if target.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"Expected input batch_size ({hidden.shape[0]}) to match target batch_size "
+            f"({target.shape[0]})"
+        )
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # autocast's rule for F.linear
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    if not (hidden.dtype == weight.dtype and (bias is None or bias.dtype == hidden.dtype)):
+        raise TypeError(
+            "hidden, weight and bias must share one dtype, as F.linear requires; got "
+            f"{hidden.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}"
+        )
+    tile = choose_tile_tokens(
+        vocab_size, hidden.dtype, upcast, tile_tokens=tile_tokens, tile_bytes=tile_bytes
+    )
+    options = (int(ignore_index), float(label_smoothing), bool(upcast))
+    if reduction == "none":
+        return _linear_ce_tokens(hidden, weight, bias, target, *options, tile)
+    grad_on = torch.is_grad_enabled()
+    loss, *_ = _linear_ce_reduced(
+        hidden, weight, bias, target, *options, reduction == "mean", tile,
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )  # fmt: skip
+    return loss
