@@ -154,7 +154,9 @@ def _cross_entropy_options(loss: torch.fx.Node) -> dict:
     bound.apply_defaults()
     options = dict(bound.arguments)
     if options["weight"] is not None:
-        raise _NoMatch("cross_entropy has class weights (weight=...), which the tiled loss does not support yet")
+        raise _NoMatch(
+            "cross_entropy has class weights (weight=...), which the tiled loss does not support yet"
+        )
     if options["size_average"] is not None or options["reduce"] is not None:
         raise _NoMatch("cross_entropy uses the deprecated size_average/reduce arguments; pass reduction=...")
     for name, kinds in (("ignore_index", int), ("reduction", str), ("label_smoothing", (int, float))):
@@ -225,7 +227,9 @@ def match_region(loss: torch.fx.Node) -> Region:
     bias_val = _val(bias) if bias is not None else None
     if bias is not None and (bias_val is None or tuple(bias_val.shape) != (vocab_size,)):
         raise _NoMatch("the linear bias is not a [V] tensor")
-    dtypes = {hidden_val.dtype, weight_val.dtype, linear_val.dtype} | ({bias_val.dtype} if bias_val is not None else set())
+    dtypes = {hidden_val.dtype, weight_val.dtype, linear_val.dtype}
+    if bias_val is not None:
+        dtypes.add(bias_val.dtype)
     if len(dtypes) != 1:
         raise _NoMatch(
             "the linear runs in a different dtype than its inputs (an autocast region?); "
@@ -240,11 +244,15 @@ def match_region(loss: torch.fx.Node) -> Region:
     for view in reversed(between):
         _single_user(view, "logits")
 
-    steps = [head_form] + [str(n.target) for n in reversed(between)] + [
-        f"cross_entropy(reduction={options['reduction']}, ignore_index={options['ignore_index']}"
-        + (f", label_smoothing={options['label_smoothing']}" if options["label_smoothing"] else "")
-        + ")"
-    ]
+    steps = (
+        [head_form]
+        + [str(n.target) for n in reversed(between)]
+        + [
+            f"cross_entropy(reduction={options['reduction']}, ignore_index={options['ignore_index']}"
+            + (f", label_smoothing={options['label_smoothing']}" if options["label_smoothing"] else "")
+            + ")"
+        ]
+    )
     return Region(
         loss=loss,
         linear=node,

@@ -158,19 +158,17 @@ def _reduced_vjp(ctx, grad_loss, _grad_h, _grad_w, _grad_b):
     # Glue, not a gradient formula: the gradients were derived (see _tile_kernel) in
     # forward at unit upstream gradient; the loss is a scalar, so the chain rule only
     # scales them by the incoming gradient.
-    _check_needed(ctx, (0, 1, 2))
+    _check_needed(ctx)
     saved = ctx.saved_tensors
-    grads = [
-        (saved[i] * grad_loss).to(saved[i].dtype) if ctx.need[i] else None for i in range(3)
-    ]
+    grads = [(saved[i] * grad_loss).to(saved[i].dtype) if ctx.need[i] else None for i in range(3)]
     return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 _linear_ce_reduced.register_autograd(_reduced_vjp, setup_context=_reduced_setup_context)
 
 
-def _check_needed(ctx, positions):
-    for i, name in zip(positions, ("hidden", "weight", "bias")):
+def _check_needed(ctx):
+    for i, name in enumerate(("hidden", "weight", "bias")):
         if ctx.needs_input_grad[i] and not ctx.need[i]:
             raise RuntimeError(
                 f"tile_pass: a gradient for {name} was requested, but {name} did not require "
@@ -317,8 +315,7 @@ def linear_cross_entropy(
     target = target.reshape(-1)
     if target.shape[0] != hidden.shape[0]:
         raise ValueError(
-            f"Expected input batch_size ({hidden.shape[0]}) to match target batch_size "
-            f"({target.shape[0]})"
+            f"Expected input batch_size ({hidden.shape[0]}) to match target batch_size ({target.shape[0]})"
         )
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):  # autocast's rule for F.linear
