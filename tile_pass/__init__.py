@@ -6,7 +6,7 @@ loss whose backward is derived, so the ``[tokens, vocab]`` logits never exist wh
 """
 
 from tile_pass import _logging  # noqa: F401  (registers TORCH_LOGS="tile_pass")
-from tile_pass.backend import Backend, backend, explain, tile_pass_backend
+from tile_pass.backend import Backend, backend, default_backend, explain, tile_pass_backend
 from tile_pass.report import GraphReport, Report, Rewrite, Skip
 from tile_pass.tiled_loss import linear_cross_entropy
 
@@ -17,6 +17,7 @@ __all__ = [
     "Rewrite",
     "Skip",
     "backend",
+    "default_backend",
     "explain",
     "linear_cross_entropy",
     "tile_pass_backend",

@@ -47,8 +47,8 @@ class LossHead:
         target: torch.Tensor,
     ) -> torch.Tensor:
         logits = F.linear(hidden, weight, bias)
-        if self.upcast:
-            logits = logits.float()
+        if self.upcast:  # to float32; float64 stays float64
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return F.cross_entropy(
             logits,
             target,

@@ -111,12 +111,17 @@ def backend(
 _default_backend: Backend | None = None
 
 
-def tile_pass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-    """``backend="tile_pass"``: the default configuration, inner compiler inductor."""
+def default_backend() -> Backend:
+    """The backend behind ``backend="tile_pass"``; its ``report()`` shows what it did."""
     global _default_backend
     if _default_backend is None:
         _default_backend = Backend()
-    return _default_backend(gm, example_inputs)
+    return _default_backend
+
+
+def tile_pass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    """``backend="tile_pass"``: the default configuration, inner compiler inductor."""
+    return default_backend()(gm, example_inputs)
 
 
 def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:

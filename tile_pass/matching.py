@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
 from tile_pass._tiling import choose_tile_tokens
 from tile_pass.report import GraphReport, Rewrite, Skip, source_line
@@ -141,6 +141,8 @@ def _upcasts_to_float32(node: torch.fx.Node) -> bool:
         raise _NoMatch("the logits are moved to another device before the loss")
     if out.dtype != torch.float32:
         raise _NoMatch(f"the logits are cast to {out.dtype} before the loss (only a float32 upcast is tiled)")
+    if inp.dtype == torch.float64:
+        raise _NoMatch("the float64 logits are cast down to float32 before the loss")
     if out.device != inp.device:
         raise _NoMatch("the logits are moved to another device before the loss")
     return inp.dtype != torch.float32
@@ -220,8 +222,6 @@ def match_region(loss: torch.fx.Node) -> Region:
     if weight_val.dim() != 2:
         raise _NoMatch("the LM-head weight is not 2-D")
     vocab_size, hidden_size = weight_val.shape
-    if not isinstance(vocab_size, int) or not isinstance(hidden_size, int):
-        raise _NoMatch("the LM-head weight has symbolic sizes (mark them static)")
     if not _same(hidden_val.shape[-1], hidden_size) or not _same(linear_val.shape[-1], vocab_size):
         raise _NoMatch("the hidden states do not match the LM-head weight")
     bias_val = _val(bias) if bias is not None else None
@@ -315,9 +315,11 @@ def rewrite_graph(
         logits_val, hidden_val = _val(region.linear), _val(region.hidden)
         vocab_size, hidden_size = _val(region.weight).shape
         dtype = logits_val.dtype
+        # the tile only affects speed, so a symbolic vocabulary is sized by its hint, unguarded
         tile = choose_tile_tokens(
-            vocab_size, dtype, region.upcast, tile_tokens=tile_tokens, tile_bytes=tile_bytes
-        )
+            optimization_hint(vocab_size, fallback=32768), dtype, region.upcast,
+            tile_tokens=tile_tokens, tile_bytes=tile_bytes,
+        )  # fmt: skip
         num_tokens = hidden_val.numel() // hidden_size
         report.rewrites.append(
             Rewrite(
@@ -326,8 +328,8 @@ def rewrite_graph(
                 loss_source=source_line(loss),
                 form=region.form,
                 num_tokens=_plain(num_tokens),
-                hidden_size=hidden_size,
-                vocab_size=vocab_size,
+                hidden_size=_plain(hidden_size),
+                vocab_size=_plain(vocab_size),
                 dtype=str(dtype).replace("torch.", ""),
                 reduction=region.reduction,
                 tile_tokens=tile,

@@ -33,8 +33,8 @@ class Rewrite:
     loss_source: str
     form: str
     num_tokens: int | str
-    hidden_size: int
-    vocab_size: int
+    hidden_size: int | str
+    vocab_size: int | str
     dtype: str
     reduction: str
     tile_tokens: int

@@ -29,7 +29,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 def _loss_dtype(hidden: torch.Tensor, upcast: bool) -> torch.dtype:
-    return torch.float32 if upcast else hidden.dtype
+    return torch.promote_types(hidden.dtype, torch.float32) if upcast else hidden.dtype
 
 
 def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -288,7 +288,7 @@ def linear_cross_entropy(
     one tile of ``tile_tokens`` tokens at a time (default: from the ``tile_bytes`` budget,
     see :mod:`tile_pass._tiling`), in forward and backward. ``upcast=False`` computes the
     loss in the logits' own dtype, like calling ``F.cross_entropy`` on half-precision
-    logits. With ``reduction="none"`` the result has shape ``[N]``.
+    logits; float64 inputs are never downcast. With ``reduction="none"`` the result has shape ``[N]``.
 
     Works in eager code and inside ``torch.compile`` (no graph break, no host sync).
     """

@@ -1,0 +1,67 @@
+"""Shared helpers: devices, the float64 eager oracle, and gradient comparison."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device")),
+]
+
+# Tolerances against the float64 oracle, relative to the oracle's magnitude.
+# float32: a few ulps of accumulated rounding. bfloat16: 8 bits of mantissa; tiles round
+# their partial gradients once each, like eager rounds the whole-matrix result once.
+TOLERANCES = {
+    torch.float64: dict(rtol=1e-10, atol=1e-12),
+    torch.float32: dict(rtol=2e-5, atol=2e-6),
+    torch.bfloat16: dict(rtol=3e-2, atol=3e-3),
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def leaves(*tensors, requires_grad=True, dtype=None):
+    """Detached copies (optionally cast) that require grad; ``None`` passes through."""
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        c = t.detach().clone()
+        if dtype is not None and c.is_floating_point():
+            c = c.to(dtype)
+        out.append(c.requires_grad_(requires_grad and c.is_floating_point()))
+    return out
+
+
+def value_and_grads(fn, inputs, upstream=None):
+    """``fn(*inputs)`` and the gradients of every input that requires grad (else None)."""
+    out = fn(*inputs)
+    wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if upstream is None:
+        upstream = torch.ones_like(out)
+    grads = torch.autograd.grad(out, wanted, upstream.to(out.dtype)) if wanted else []
+    it = iter(grads)
+    return out, [next(it) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs]
+
+
+def assert_close_to_oracle(actual, oracle, dtype, what=""):
+    tol = TOLERANCES[dtype]
+    scale = oracle.detach().abs().max().item() if oracle.numel() else 0.0
+    scale = scale if scale == scale and scale > 0 else 1.0  # NaN or zero: absolute only
+    torch.testing.assert_close(
+        actual.detach().to(torch.float64).cpu(),
+        oracle.detach().to(torch.float64).cpu(),
+        rtol=tol["rtol"],
+        atol=tol["atol"] * scale,
+        equal_nan=True,
+        msg=lambda m: f"{what}: {m}",
+    )

@@ -1,0 +1,153 @@
+"""Peak memory and time of one LM-head training step, measured in a fresh process.
+
+Run as ``python -m tile_pass._measure '<json config>'``; prints one JSON line. The parent
+(:func:`measure`) starts a new interpreter per measurement so that no allocator cache or
+compiled artefact of another implementation skews the numbers.
+
+CPU peak memory is ``VmHWM`` from ``/proc/self/status`` after resetting it (writing ``5``
+to ``/proc/self/clear_refs``) once the step has been compiled and warmed up, minus the
+resident size at that moment: the extra memory one step needs above its inputs and
+parameters. ``MALLOC_MMAP_THRESHOLD_`` is pinned so freed tensors go back to the OS and
+the resident size is a true baseline. On CUDA it is ``torch.cuda.max_memory_allocated``
+above the allocated bytes before the step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class StepConfig:
+    impl: str = "tile_pass"  # "eager", "compiled" (inner compiler alone) or "tile_pass"
+    inner: str = "inductor"
+    tokens: int = 4096
+    hidden: int = 1024
+    vocab: int = 32000
+    dtype: str = "float32"
+    device: str = "cpu"
+    tile_tokens: int | None = None
+    tile_bytes: int | None = None
+    repeats: int = 3
+    seed: int = 0
+
+
+def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The pattern as user code writes it: linear, float32 upcast, cross entropy."""
+    logits = F.linear(hidden, weight)
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    return _rss_kib("VmRSS") * 1024
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    return _rss_kib("VmHWM") * 1024
+
+
+def run_step(config: StepConfig) -> dict:
+    """Compile (if asked), warm up, then measure; in the current process."""
+    import tile_pass
+
+    torch.manual_seed(config.seed)
+    device = torch.device(config.device)
+    dtype = getattr(torch, config.dtype)
+    hidden = torch.randn(config.tokens, config.hidden, device=device, dtype=dtype)
+    hidden.requires_grad_()
+    weight = torch.nn.Parameter(
+        torch.randn(config.vocab, config.hidden, device=device, dtype=dtype) / config.hidden**0.5
+    )
+    labels = torch.randint(0, config.vocab, (config.tokens,), device=device)
+    labels[::7] = -100
+
+    if config.impl == "eager":
+        fn = lm_head_loss
+    elif config.impl == "compiled":
+        fn = torch.compile(lm_head_loss, backend=config.inner)
+    elif config.impl == "tile_pass":
+        backend = tile_pass.backend(
+            config.inner, tile_tokens=config.tile_tokens, tile_bytes=config.tile_bytes
+        )
+        fn = torch.compile(lm_head_loss, backend=backend)
+    else:
+        raise ValueError(f"unknown impl {config.impl!r}")
+
+    def step():
+        hidden.grad = None
+        weight.grad = None
+        loss = fn(hidden, weight, labels)
+        loss.backward()
+        return loss
+
+    t0 = time.perf_counter()
+    loss = step()
+    compile_and_first = time.perf_counter() - t0
+    times = []
+    peak_above = 0
+    for i in range(max(1, config.repeats)):
+        hidden.grad = None
+        weight.grad = None
+        base = _reset_peak(device)
+        t0 = time.perf_counter()
+        loss = step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        if i == 0:
+            peak_above = _peak(device) - base
+    times.sort()
+    return {
+        **asdict(config),
+        "loss": float(loss),
+        "peak_above_inputs_mib": peak_above / MiB,
+        "median_s": times[len(times) // 2],
+        "first_call_s": compile_and_first,
+        "logits_mib": config.tokens * config.vocab * torch.empty((), dtype=dtype).element_size() / MiB,
+    }
+
+
+def measure(config: StepConfig, timeout: float = 1800) -> dict:
+    """Run :func:`run_step` in a fresh interpreter and return its result."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tile_pass._measure", json.dumps(asdict(config))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"measurement {config} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_step(StepConfig(**json.loads(sys.argv[1])))))
