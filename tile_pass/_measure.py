@@ -56,7 +56,8 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _reset_peak(device: torch.device) -> int:
+def reset_peak_memory(device: torch.device) -> int:
+    """Reset the peak counter; return the bytes in use now (the baseline)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -66,7 +67,8 @@ def _reset_peak(device: torch.device) -> int:
     return _rss_kib("VmRSS") * 1024
 
 
-def _peak(device: torch.device) -> int:
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes since :func:`reset_peak_memory`."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
@@ -115,14 +117,14 @@ def run_step(config: StepConfig) -> dict:
     for i in range(max(1, config.repeats)):
         hidden.grad = None
         weight.grad = None
-        base = _reset_peak(device)
+        base = reset_peak_memory(device)
         t0 = time.perf_counter()
         loss = step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
         if i == 0:
-            peak_above = _peak(device) - base
+            peak_above = peak_memory(device) - base
     times.sort()
     return {
         **asdict(config),
@@ -134,19 +136,26 @@ def run_step(config: StepConfig) -> dict:
     }
 
 
-def measure(config: StepConfig, timeout: float = 1800) -> dict:
-    """Run :func:`run_step` in a fresh interpreter and return its result."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+FRESH_PROCESS_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def run_fresh(argv: list[str], timeout: float = 1800) -> dict:
+    """Run ``python *argv`` in a fresh interpreter; parse the JSON of its last output line."""
     proc = subprocess.run(
-        [sys.executable, "-m", "tile_pass._measure", json.dumps(asdict(config))],
+        [sys.executable, *argv],
         capture_output=True,
         text=True,
-        env=env,
+        env=dict(os.environ, **FRESH_PROCESS_ENV),
         timeout=timeout,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"measurement {config} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"measurement {argv} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure(config: StepConfig, timeout: float = 1800) -> dict:
+    """Run :func:`run_step` in a fresh interpreter and return its result."""
+    return run_fresh(["-m", "tile_pass._measure", json.dumps(asdict(config))], timeout)
 
 
 if __name__ == "__main__":

@@ -79,13 +79,12 @@ def _describe(node: torch.fx.Node) -> str:
     return f"`{name}` at {source_line(node)}"
 
 
-def _single_user(node: torch.fx.Node, what: str) -> None:
-    users = list(node.users)
-    if len(users) != 1:
-        others = ", ".join(_describe(u) for u in users[1:] or users)
+def _only_consumer(node: torch.fx.Node, consumer: torch.fx.Node) -> None:
+    others = [u for u in node.users if u is not consumer]
+    if others:
         raise _NoMatch(
-            f"the {what} are also consumed by {others}, so they must exist whole; "
-            "compute that from the loss or drop it to get the tiled loss"
+            f"the logits are also consumed by {', '.join(_describe(u) for u in others)}, "
+            "so they must exist whole; compute that from the loss or drop it to get the tiled loss"
         )
 
 
@@ -240,9 +239,9 @@ def match_region(loss: torch.fx.Node) -> Region:
     num_tokens = hidden_val.numel() // hidden_size if hidden_val.dim() else 0
     if not _same(num_tokens, logits_val.shape[0]):
         raise _NoMatch("the logits rows are not the hidden states' tokens")
-    _single_user(node, "logits")
-    for view in reversed(between):
-        _single_user(view, "logits")
+    chain = [node, *reversed(between), loss]
+    for producer, consumer in zip(chain, chain[1:], strict=False):
+        _only_consumer(producer, consumer)
 
     steps = (
         [head_form]
