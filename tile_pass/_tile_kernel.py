@@ -19,6 +19,7 @@ Two details make that graph usable inside a custom op at run time:
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 from dataclasses import dataclass
 
@@ -31,13 +32,57 @@ from torch.fx.experimental.proxy_tensor import make_fx
 aten = torch.ops.aten
 
 
+def _apply_op(x: torch.Tensor, op: tuple, extras: list[torch.Tensor]) -> torch.Tensor:
+    name, *arg = op
+    if name == "cast":
+        return x.to(getattr(torch, arg[0]))
+    if name == "tanh":
+        return torch.tanh(x)
+    other = extras[arg[0]] if name.endswith("_t") else arg[0]
+    kind = name.removesuffix("_t")
+    if kind == "mul":
+        return x * other
+    if kind == "div":
+        return x / other
+    if kind == "add":
+        return x + other
+    if kind == "sub":
+        return x - other
+    if kind == "rsub":
+        return other - x
+    raise ValueError(f"unknown tile op {op!r}")
+
+
+HEAD_OPS = ("cast", "tanh", "mul", "div", "add", "sub", "rsub", "mul_t", "div_t", "add_t", "sub_t", "rsub_t")
+
+
 @dataclass(frozen=True)
 class LossHead:
-    """What a matched region computes from the hidden states of one tile of tokens."""
+    """What a matched region computes from the hidden states of one tile of tokens.
 
-    upcast: bool
+    ``ops`` are the row-wise operations between the projection and the loss, in order:
+    ``("cast", "float32")``, ``("tanh",)``, ``("mul", 30.0)`` (a constant operand), or
+    ``("mul_t", i)`` (operand ``extras[i]``, a 0-d or ``[V]`` tensor). Soft-capping is
+    ``div, tanh, mul``; a logit scale is ``mul``; a bias added after the linear is ``add_t``.
+    """
+
+    ops: tuple[tuple, ...]
     ignore_index: int
     label_smoothing: float
+
+    @staticmethod
+    def parse_ops(spec: str) -> tuple[tuple, ...]:
+        ops = tuple(tuple(op) for op in json.loads(spec))
+        for op in ops:
+            if not op or op[0] not in HEAD_OPS:
+                raise ValueError(f"unknown tile op {op!r} in head spec {spec!r}")
+        return ops
+
+    def logits(self, hidden, weight, bias, extras):
+        x = F.linear(hidden, weight, bias)
+        for op in self.ops:
+            x = _apply_op(x, op, extras)
+        return x
 
     def token_losses(
         self,
@@ -45,12 +90,10 @@ class LossHead:
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         target: torch.Tensor,
+        extras: list[torch.Tensor] = (),
     ) -> torch.Tensor:
-        logits = F.linear(hidden, weight, bias)
-        if self.upcast:  # to float32; float64 stays float64
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return F.cross_entropy(
-            logits,
+            self.logits(hidden, weight, bias, list(extras)),
             target,
             ignore_index=self.ignore_index,
             reduction="none",
@@ -68,6 +111,7 @@ class KernelKey:
     weight_dtype: torch.dtype
     bias_dtype: torch.dtype | None
     target_dtype: torch.dtype
+    extras: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # (shape, dtype) of each extra
     device: torch.device
     need_hidden: bool
     need_weight: bool
@@ -86,11 +130,11 @@ class TileKernel:
         self.key = key
         self.graph_module = graph_module
 
-    def __call__(self, hidden, weight, bias, target, coef, weight_acc, bias_acc):
+    def __call__(self, hidden, weight, bias, target, extras, coef, weight_acc, bias_acc):
         args = [hidden, weight]
         if self.key.bias_dtype is not None:
             args.append(bias)
-        args += [target, coef]
+        args += [target, *extras, coef]
         if self.key.need_weight:
             args.append(weight_acc)
         if self.key.need_bias:
@@ -106,7 +150,9 @@ def _joint_function(key: KernelKey):
         args = list(args)
         hidden, weight = args.pop(0), args.pop(0)
         bias = args.pop(0) if has_bias else None
-        target, coef = args.pop(0), args.pop(0)
+        target = args.pop(0)
+        extras = [args.pop(0) for _ in key.extras]
+        coef = args.pop(0)
         weight_acc = args.pop(0) if key.need_weight else None
         bias_acc = args.pop(0) if key.need_bias else None
 
@@ -121,7 +167,7 @@ def _joint_function(key: KernelKey):
             if key.need_bias:
                 bias = bias.detach().requires_grad_()
                 wanted.append(bias)
-            losses = key.head.token_losses(hidden, weight, bias, target)
+            losses = key.head.token_losses(hidden, weight, bias, target, extras)
             grads = torch.autograd.grad((losses * coef).sum(), wanted) if wanted else ()
         grads = list(grads)
         grad_hidden = grads.pop(0) if key.need_hidden else None
@@ -146,6 +192,7 @@ def _example_inputs(key: KernelKey) -> list[torch.Tensor]:
     if key.bias_dtype is not None:
         inputs.append(torch.empty(V, dtype=key.bias_dtype, device=dev))
     inputs.append(torch.zeros(T, dtype=key.target_dtype, device=dev))
+    inputs += [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in key.extras]
     inputs.append(torch.empty(T, dtype=key.acc_dtype, device=dev))
     if key.need_weight:
         inputs.append(torch.empty(V, H, dtype=key.acc_dtype, device=dev))

@@ -10,6 +10,7 @@ import torch
 import torch.fx
 
 from tile_pass._logging import log
+from tile_pass._returned_logits import rebuild_outputs
 from tile_pass.matching import rewrite_graph
 from tile_pass.report import GraphReport, Report
 
@@ -41,6 +42,7 @@ class Backend:
         *,
         tile_tokens: int | None = None,
         tile_bytes: int | None = None,
+        drop_logits: bool = False,
         keep_reports: int = 64,
     ):
         if tile_tokens is not None and tile_tokens < 1:
@@ -50,17 +52,20 @@ class Backend:
         self.inner = inner
         self.tile_tokens = tile_tokens
         self.tile_bytes = tile_bytes
+        self.drop_logits = drop_logits
         self._inner = _resolve_inner(inner)
         self._graphs_seen = 0
         self.reports: collections.deque[GraphReport] = collections.deque(maxlen=keep_reports)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        report = rewrite_graph(
+        result = rewrite_graph(
             gm,
             graph_index=self._graphs_seen,
             tile_tokens=self.tile_tokens,
             tile_bytes=self.tile_bytes,
+            drop_logits=self.drop_logits,
         )
+        report = result.report
         self._graphs_seen += 1
         self.reports.append(report)
         for rewrite in report.rewrites:
@@ -69,7 +74,10 @@ class Backend:
             log.info("%s", skip)
         if report.rewrites:
             log.debug("rewritten graph %d:\n%s", report.index, gm.code)
-        return self._inner(gm, example_inputs)
+        compiled = self._inner(gm, example_inputs)
+        if not result.returned_logits:
+            return compiled
+        return _with_rebuilt_outputs(compiled, result.num_outputs, result.returned_logits)
 
     def report(self) -> Report:
         """The decisions on every graph this backend compiled (up to ``keep_reports``)."""
@@ -81,7 +89,11 @@ class Backend:
         The call runs the forward pass (with the inner compiler ``eager``, to be quick).
         """
         recorder = Backend(
-            "eager", tile_tokens=self.tile_tokens, tile_bytes=self.tile_bytes, keep_reports=1024
+            "eager",
+            tile_tokens=self.tile_tokens,
+            tile_bytes=self.tile_bytes,
+            drop_logits=self.drop_logits,
+            keep_reports=1024,
         )
         torch.compile(fn, backend=recorder)(*args, **kwargs)
         return recorder.report()
@@ -89,7 +101,7 @@ class Backend:
     def __repr__(self) -> str:
         return (
             f"tile_pass.backend(inner={self.inner!r}, tile_tokens={self.tile_tokens}, "
-            f"tile_bytes={self.tile_bytes})"
+            f"tile_bytes={self.tile_bytes}, drop_logits={self.drop_logits})"
         )
 
 
@@ -98,14 +110,29 @@ def backend(
     *,
     tile_tokens: int | None = None,
     tile_bytes: int | None = None,
+    drop_logits: bool = False,
 ) -> Backend:
     """A configured backend: ``torch.compile(model, backend=tile_pass.backend(...))``.
 
     ``inner`` compiles the rewritten graph: ``"inductor"`` (default), ``"aot_eager"``,
     ``"eager"`` or any backend callable. ``tile_tokens`` fixes the tile; otherwise it is
     derived from the ``tile_bytes`` budget (see :mod:`tile_pass._tiling`).
+
+    Logits that the compiled function also returns are kept exact by default (model dtype,
+    no upcast, no saved softmax, a gradient only if used). ``drop_logits=True`` opts out of
+    them entirely, as Liger and CCE do: they are never computed and a zero-byte NaN
+    placeholder of the right shape is returned instead.
     """
-    return Backend(inner, tile_tokens=tile_tokens, tile_bytes=tile_bytes)
+    return Backend(inner, tile_tokens=tile_tokens, tile_bytes=tile_bytes, drop_logits=drop_logits)
+
+
+def _with_rebuilt_outputs(compiled: Callable, num_outputs: int, records) -> Callable:
+    """Wrap a compiled graph so it returns the original outputs (see _returned_logits)."""
+
+    def run(*args):
+        return rebuild_outputs(compiled(*args), num_outputs, records)
+
+    return run
 
 
 _default_backend: Backend | None = None

@@ -1,17 +1,28 @@
-"""Find ``linear -> [views, casts] -> cross_entropy`` regions in a Dynamo graph and rewrite them.
+"""Find ``linear -> [row-wise ops] -> cross_entropy`` regions in a Dynamo graph and rewrite them.
 
 The graph is Dynamo's torch-level FX graph: ``torch._C._nn.linear`` / ``matmul`` nodes,
-``call_method`` views and casts, one ``F.cross_entropy`` call. Every node carries
-``meta["example_value"]`` (a fake tensor, possibly with symbolic sizes), which is how a
-match is proven exact: shapes, dtypes and the single-consumer property are checked on it,
-and anything unproven leaves the region untouched with a reason a user can act on.
+``call_method`` views and casts, one ``F.cross_entropy`` (or ``log_softmax`` +
+``nll_loss``) call. Every node carries ``meta["example_value"]`` (a fake tensor, possibly
+with symbolic sizes), which is how a match is proven exact: shapes, dtypes and consumers
+are checked on it, and anything unproven leaves the region untouched with a reason a user
+can act on.
+
+Between the projection and the loss, every op must act on each token's row of logits
+independently; then it can run inside each tile:
+
+* views (``view``/``reshape``/``flatten``/``contiguous``) only regroup rows: dropped;
+* slices of leading (token) dimensions (``logits[..., :-1, :]``) select rows: applied to
+  the hidden states instead;
+* casts to float32, ``tanh``, and ``* / + -`` with a constant or a ``[V]``/0-d tensor
+  (soft-capping, logit scales, a bias added after the linear): replayed in each tile.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -20,15 +31,25 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_
 
 from tile_pass._tiling import choose_tile_tokens
 from tile_pass.report import GraphReport, Rewrite, Skip, source_line
-from tile_pass.tiled_loss import linear_cross_entropy
+from tile_pass.tiled_loss import tiled_region_loss
 
 _LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 _MATMUL_FUNCTIONS = {operator.matmul, torch.matmul, torch.mm}
 _MATMUL_METHODS = {"matmul", "__matmul__", "mm"}
-_VIEW_METHODS = {"view", "reshape", "flatten", "contiguous"}
+_VIEW_METHODS = {"view", "reshape", "flatten"}
 _VIEW_FUNCTIONS = {torch.reshape, torch.flatten}
 _CAST_METHODS = {"float", "to", "type"}
+_BINARY = {
+    operator.mul: "mul", torch.mul: "mul", "mul": "mul", "__mul__": "mul",
+    operator.truediv: "div", torch.div: "div", torch.true_divide: "div", "div": "div",
+    "__truediv__": "div", "true_divide": "div",
+    operator.add: "add", torch.add: "add", "add": "add", "__add__": "add",
+    operator.sub: "sub", torch.sub: "sub", "sub": "sub", "__sub__": "sub",
+}  # fmt: skip
+_COMMUTATIVE = {"mul", "add"}
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
+_NLL_SIGNATURE = inspect.signature(F.nll_loss)
+_LOG_SOFTMAX_SIGNATURE = inspect.signature(F.log_softmax)
 
 
 class _NoMatch(Exception):
@@ -40,18 +61,46 @@ class Region:
     """One matched region, with everything the rewrite needs."""
 
     loss: torch.fx.Node
+    erase: list[torch.fx.Node]  # the loss-side nodes the tiled loss replaces (log_softmax)
     linear: torch.fx.Node
     hidden: torch.fx.Node
     weight: torch.fx.Node
     bias: torch.fx.Node | None
     target: torch.fx.Node
-    between: list[torch.fx.Node]  # views and casts from the linear to the loss input
-    transpose: torch.fx.Node | None
+    chain: list[torch.fx.Node]  # projection output .. loss input, in order
+    slices: list[tuple]  # leading-dim indices, applied to the hidden states
+    ops: list[list]  # LossHead ops
+    extras: list[torch.fx.Node]
     upcast: bool
+    returned: torch.fx.Node | None  # a chain node that is also a graph output
+    returned_same_shape: bool  # ... reached from the projection by row-wise ops only
+    transpose: torch.fx.Node | None
+    num_tokens: int | torch.SymInt
     ignore_index: int
     reduction: str
     label_smoothing: float
     form: str
+
+
+@dataclass
+class ReturnedLogits:
+    """How to rebuild a graph output that the rewrite detached or dropped (see backend)."""
+
+    output_index: int
+    extra_outputs: list[int]  # positions in the extra outputs: hidden, weight, bias, operands
+    prefix: torch.fx.GraphModule | None  # (hidden, weight, bias?, *operands) -> logits; exact
+    vocab_size: int | None = None  # dropped: placeholder shape [*hidden.shape[:-1], V]
+    dtype: torch.dtype | None = None
+    has_bias: bool = False
+
+
+@dataclass
+class GraphRewrite:
+    """The result of rewriting one graph: the report, and outputs the backend must rebuild."""
+
+    report: GraphReport
+    num_outputs: int = 0
+    returned_logits: list[ReturnedLogits] = field(default_factory=list)
 
 
 def _val(node) -> torch.Tensor | None:
@@ -67,25 +116,18 @@ def _same(a, b) -> bool:
     return statically_known_true(a == b)
 
 
+def _name(node: torch.fx.Node) -> str:
+    if node.op == "call_method":
+        return f".{node.target}()"
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    return str(node.target)
+
+
 def _describe(node: torch.fx.Node) -> str:
     if node.op == "output":
         return "the graph output (the function returns them)"
-    if node.op == "call_method":
-        name = f".{node.target}()"
-    elif node.op == "call_function":
-        name = getattr(node.target, "__name__", str(node.target))
-    else:
-        name = str(node.target)
-    return f"`{name}` at {source_line(node)}"
-
-
-def _only_consumer(node: torch.fx.Node, consumer: torch.fx.Node) -> None:
-    others = [u for u in node.users if u is not consumer]
-    if others:
-        raise _NoMatch(
-            f"the logits are also consumed by {', '.join(_describe(u) for u in others)}, "
-            "so they must exist whole; compute that from the loss or drop it to get the tiled loss"
-        )
+    return f"`{_name(node)}` at {source_line(node)}"
 
 
 def _transposed_weight(node) -> torch.fx.Node | None:
@@ -130,53 +172,177 @@ def _as_linear(node: torch.fx.Node):
     return None
 
 
-def _upcasts_to_float32(node: torch.fx.Node) -> bool:
-    out, inp = _val(node), _val(node.args[0])
-    if out is None or inp is None:
-        raise _NoMatch("a cast between the linear and the loss has no shape information")
-    if node.target == "to" and any(
-        isinstance(a, (torch.device, str)) for a in list(node.args[1:]) + [node.kwargs.get("device")]
-    ):
-        raise _NoMatch("the logits are moved to another device before the loss")
-    if out.dtype != torch.float32:
-        raise _NoMatch(f"the logits are cast to {out.dtype} before the loss (only a float32 upcast is tiled)")
-    if inp.dtype == torch.float64:
-        raise _NoMatch("the float64 logits are cast down to float32 before the loss")
-    if out.device != inp.device:
-        raise _NoMatch("the logits are moved to another device before the loss")
-    return inp.dtype != torch.float32
-
-
-def _cross_entropy_options(loss: torch.fx.Node) -> dict:
+def _bind(signature: inspect.Signature, node: torch.fx.Node, what: str) -> dict:
     try:
-        bound = _CE_SIGNATURE.bind(*loss.args, **loss.kwargs)
+        bound = signature.bind(*node.args, **node.kwargs)
     except TypeError as err:
-        raise _NoMatch(f"cross_entropy was called with arguments its signature rejects ({err})") from None
+        raise _NoMatch(f"{what} was called with arguments its signature rejects ({err})") from None
     bound.apply_defaults()
-    options = dict(bound.arguments)
+    return dict(bound.arguments)
+
+
+def _loss_options(loss: torch.fx.Node) -> tuple[dict, list[torch.fx.Node], list[list]]:
+    """Normalised options of a cross_entropy (or log_softmax + nll_loss) node.
+
+    Returns the options, the extra nodes to erase, and ops to append (a log_softmax upcast).
+    """
+    if loss.target is F.cross_entropy:
+        options = _bind(_CE_SIGNATURE, loss, "cross_entropy")
+        if options["weight"] is not None:
+            raise _NoMatch(
+                "cross_entropy has class weights (weight=...), which the tiled loss does not support yet"
+            )
+        return options, [], []
+    options = _bind(_NLL_SIGNATURE, loss, "nll_loss")
+    log_probs = options["input"]
+    if not (
+        isinstance(log_probs, torch.fx.Node)
+        and log_probs.op in ("call_function", "call_method")
+        and log_probs.target in (F.log_softmax, torch.log_softmax, "log_softmax")
+    ):
+        raise _NoMatch(f"nll_loss's input comes from {_describe(log_probs)}, not from log_softmax")
     if options["weight"] is not None:
+        raise _NoMatch("nll_loss has class weights (weight=...), which the tiled loss does not support yet")
+    ls_options = _bind(_LOG_SOFTMAX_SIGNATURE, log_probs, "log_softmax")
+    log_probs_val, dim = _val(log_probs), ls_options["dim"]
+    if log_probs_val is None or not isinstance(dim, int) or dim % log_probs_val.dim() != 1:
+        raise _NoMatch("log_softmax is not taken over the vocabulary dimension of [tokens, vocab]")
+    extra_ops = []
+    dtype = ls_options.get("dtype")
+    if dtype is not None:
+        if dtype != torch.float32:
+            raise _NoMatch(f"log_softmax computes in {dtype}; only a float32 upcast is tiled")
+        extra_ops.append(["cast", "float32"])
+    users = [u for u in log_probs.users if u is not loss]
+    if users:
         raise _NoMatch(
-            "cross_entropy has class weights (weight=...), which the tiled loss does not support yet"
+            f"the log-probabilities are also consumed by {', '.join(_describe(u) for u in users)}, "
+            "so they must exist whole"
         )
-    if options["size_average"] is not None or options["reduce"] is not None:
-        raise _NoMatch("cross_entropy uses the deprecated size_average/reduce arguments; pass reduction=...")
+    options = dict(options, input=ls_options["input"], label_smoothing=0.0)
+    return options, [log_probs], extra_ops
+
+
+def _check_options(options: dict) -> None:
+    if options.get("size_average") is not None or options.get("reduce") is not None:
+        raise _NoMatch("the loss uses the deprecated size_average/reduce arguments; pass reduction=...")
     for name, kinds in (("ignore_index", int), ("reduction", str), ("label_smoothing", (int, float))):
         value = options[name]
         if isinstance(value, bool) or not isinstance(value, kinds):
             raise _NoMatch(
-                f"cross_entropy's {name} is not a compile-time constant ({value!r}); "
+                f"the loss's {name} is not a compile-time constant ({value!r}); "
                 "the tiled loss needs it fixed when the graph is compiled"
             )
     if options["reduction"] not in ("mean", "sum", "none"):
-        raise _NoMatch(f"cross_entropy has reduction={options['reduction']!r}")
+        raise _NoMatch(f"the loss has reduction={options['reduction']!r}")
     if not 0.0 <= options["label_smoothing"] <= 1.0:
         raise _NoMatch("label_smoothing is outside [0, 1]; eager raises for it, so it is left to eager")
-    return options
+
+
+def _leading_index(node: torch.fx.Node, ndim: int) -> tuple | None:
+    """The index of ``x[index]`` made explicit, if it only selects leading (token) dims."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    index = node.args[1]
+    index = index if isinstance(index, tuple) else (index,)
+    if any(i is None or isinstance(i, (torch.fx.Node, bool)) for i in index):
+        return None  # new axes, tensor or symbolic indices: not a plain row selection
+    if index.count(Ellipsis) > 1:
+        return None
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        explicit = index[:at] + (slice(None),) * (ndim - len(index) + 1) + index[at + 1 :]
+    else:
+        explicit = index + (slice(None),) * (ndim - len(index))
+    if len(explicit) != ndim or explicit[-1] != slice(None):
+        return None
+    return explicit
+
+
+def _is_cast_to_float32(node: torch.fx.Node) -> bool:
+    if node.op != "call_method" or node.target not in _CAST_METHODS:
+        return False
+    out, inp = _val(node), _val(node.args[0])
+    if out is None or inp is None:
+        raise _NoMatch("a cast between the linear and the loss has no shape information")
+    if out.device != inp.device:
+        raise _NoMatch("the logits are moved to another device before the loss")
+    if out.dtype == inp.dtype:
+        return True  # a no-op cast
+    if out.dtype != torch.float32:
+        raise _NoMatch(f"the logits are cast to {out.dtype} before the loss (only a float32 upcast is tiled)")
+    if inp.dtype == torch.float64:
+        raise _NoMatch("the float64 logits are cast down to float32 before the loss")
+    return True
+
+
+def _row_wise_op(node: torch.fx.Node, x: torch.fx.Node, vocab_size, extras: list[torch.fx.Node]):
+    """The LossHead op for an elementwise ``node`` applied to chain tensor ``x``, else None."""
+    if node.target in (torch.tanh, "tanh") and node.args == (x,) and not node.kwargs:
+        return ["tanh"]
+    kind = _BINARY.get(node.target) if node.op in ("call_function", "call_method") else None
+    if kind is None or len(node.args) != 2 or node.kwargs:
+        return None
+    left, right = node.args
+    if left is x and right is not x:
+        other, reflected = right, False
+    elif right is x and left is not x:
+        other, reflected = left, True
+    else:
+        return None
+    if reflected and kind not in _COMMUTATIVE:
+        if kind != "sub":
+            raise _NoMatch(f"`{_name(node)}` divides by the logits, which the tiled loss does not replay")
+        kind = "rsub"
+    if isinstance(other, bool):
+        return None
+    if isinstance(other, (int, float)):
+        return [kind, other]
+    other_val = other.meta.get("example_value") if isinstance(other, torch.fx.Node) else None
+    if isinstance(other_val, (torch.SymInt, torch.SymFloat)):
+        raise _NoMatch(
+            f"`{_name(node)}` uses a dynamic scalar; mark it static or keep the scale a Python constant"
+        )
+    if not isinstance(other_val, torch.Tensor):
+        return None
+    shape = list(other_val.shape)
+    row_wise = other_val.dim() == 0 or (
+        all(_same(s, 1) for s in shape[:-1]) and (_same(shape[-1], 1) or _same(shape[-1], vocab_size))
+    )
+    if not row_wise:
+        raise _NoMatch(
+            f"`{_name(node)}` combines the logits with a tensor of shape {tuple(shape)} that differs "
+            "per token, so it cannot be replayed tile by tile"
+        )
+    if other_val.requires_grad:
+        raise _NoMatch(
+            f"`{_name(node)}` uses a learnable tensor; learnable logit scales/biases are not tiled yet"
+        )
+    if other not in extras:
+        extras.append(other)
+    return [kind + "_t", extras.index(other)]
+
+
+def _chain_operand(node: torch.fx.Node) -> torch.fx.Node:
+    """The input of ``node`` that carries the logits (the other operand of a binary op is not)."""
+    if node.target not in _BINARY:
+        return node.args[0]
+    out = _val(node)
+    candidates = [
+        a for a in node.args
+        if isinstance(a, torch.fx.Node) and _val(a) is not None and tuple(_val(a).shape) == tuple(out.shape)
+    ]  # fmt: skip
+    if len(candidates) != 1:
+        raise _NoMatch(
+            f"the loss input comes from {_describe(node)}, which combines two logits-sized tensors"
+        )
+    return candidates[0]
 
 
 def match_region(loss: torch.fx.Node) -> Region:
-    """The region ending at cross_entropy node ``loss``; raises ``_NoMatch`` with a reason."""
-    options = _cross_entropy_options(loss)
+    """The region ending at loss node ``loss``; raises ``_NoMatch`` with a reason."""
+    options, erase, tail_ops = _loss_options(loss)
+    _check_options(options)
     logits, target = options["input"], options["target"]
     logits_val, target_val = _val(logits), _val(target)
     if logits_val is None or target_val is None:
@@ -184,7 +350,7 @@ def match_region(loss: torch.fx.Node) -> Region:
     if logits_val.dim() != 2:
         raise _NoMatch(
             f"the loss input is {logits_val.dim()}-D; only [tokens, vocab] logits are tiled "
-            "(flatten with .view(-1, V) before cross_entropy)"
+            "(flatten with .view(-1, V) before the loss)"
         )
     if target_val.is_floating_point():
         raise _NoMatch("the target holds class probabilities, not class indices")
@@ -192,27 +358,31 @@ def match_region(loss: torch.fx.Node) -> Region:
         raise _NoMatch(f"the target dtype is {target_val.dtype}; eager cross_entropy expects int64")
     if target_val.dim() != 1 or not _same(target_val.shape[0], logits_val.shape[0]):
         raise _NoMatch("the target shape does not match the logits' token count")
+    vocab = logits_val.shape[-1]
 
-    between: list[torch.fx.Node] = []
-    upcast = False
+    chain: list[torch.fx.Node] = []  # loss input back to (excluding) the projection
     node = logits
     while True:
+        if not isinstance(node, torch.fx.Node):
+            raise _NoMatch("the loss input is not computed in this graph")
         linear = _as_linear(node)
         if linear is not None:
             break
-        is_view = (node.op == "call_method" and node.target in _VIEW_METHODS) or (
-            node.op == "call_function" and node.target in _VIEW_FUNCTIONS
-        )
-        is_cast = node.op == "call_method" and node.target in _CAST_METHODS
-        if not (is_view or is_cast):
+        if node.op == "placeholder":
+            raise _NoMatch(
+                "the logits are an input of this graph: a graph break separates the LM head from "
+                "the loss, so the pass sees only one half. Find the break with "
+                'TORCH_LOGS="graph_breaks" and remove it (e.g. a print or logging call between '
+                "the head and the loss), or compute the loss in the function that calls the head"
+            )
+        if node.op not in ("call_function", "call_method") or not node.args:
             raise _NoMatch(f"the loss input comes from {_describe(node)}, not from a linear layer")
         value = _val(node)
-        if value is None or value.shape[-1] is None or not _same(value.shape[-1], logits_val.shape[-1]):
+        if value is None or not _same(value.shape[-1], vocab):
             raise _NoMatch(f"{_describe(node)} changes the vocabulary dimension of the logits")
-        if is_cast:
-            upcast |= _upcasts_to_float32(node)
-        between.append(node)
-        node = node.args[0]
+        chain.append(node)
+        node = _chain_operand(node)
+    chain.reverse()
     hidden, weight, bias, transpose, head_form = linear
 
     hidden_val, weight_val, linear_val = _val(hidden), _val(weight), _val(node)
@@ -236,32 +406,84 @@ def match_region(loss: torch.fx.Node) -> Region:
         )
     if not linear_val.is_floating_point():
         raise _NoMatch("the logits are not floating point")
-    num_tokens = hidden_val.numel() // hidden_size if hidden_val.dim() else 0
-    if not _same(num_tokens, logits_val.shape[0]):
-        raise _NoMatch("the logits rows are not the hidden states' tokens")
-    chain = [node, *reversed(between), loss]
-    for producer, consumer in zip(chain, chain[1:], strict=False):
-        _only_consumer(producer, consumer)
 
-    steps = (
-        [head_form]
-        + [str(n.target) for n in reversed(between)]
-        + [
-            f"cross_entropy(reduction={options['reduction']}, ignore_index={options['ignore_index']}"
-            + (f", label_smoothing={options['label_smoothing']}" if options["label_smoothing"] else "")
-            + ")"
-        ]
+    # classify every op between the projection and the loss
+    ops: list[list] = []
+    slices: list[tuple] = []
+    extras: list[torch.fx.Node] = []
+    steps = [head_form]
+    regrouped = False  # a view has mixed leading dims: later slices cannot move to the hidden
+    row_wise_only = [True]  # per chain position: reached from the projection by row-wise ops only
+    previous = node
+    for current in chain:
+        value = _val(current)
+        if current.op == "call_method" and current.target == "contiguous":
+            steps.append("contiguous")
+        elif (current.op == "call_method" and current.target in _VIEW_METHODS) or (
+            current.op == "call_function" and current.target in _VIEW_FUNCTIONS
+        ):
+            regrouped = True
+            steps.append(str(getattr(current.target, "__name__", current.target)))
+        elif (index := _leading_index(current, _val(previous).dim())) is not None:
+            if regrouped:
+                raise _NoMatch("the logits are sliced after being reshaped; slice before flattening")
+            slices.append(index)
+            steps.append("slice tokens")
+        elif current.op == "call_method" and current.target in _CAST_METHODS:
+            _is_cast_to_float32(current)
+            if value.dtype != _val(previous).dtype:
+                ops.append(["cast", "float32"])
+                steps.append("float32 upcast")
+        elif (op := _row_wise_op(current, previous, vocab_size, extras)) is not None:
+            if value.dtype != _val(previous).dtype or tuple(value.shape) != tuple(_val(previous).shape):
+                raise _NoMatch(f"{_describe(current)} changes the logits' dtype or shape")
+            ops.append(op)
+            steps.append(f"{op[0]}({op[1]})" if len(op) > 1 else op[0])
+        else:
+            raise _NoMatch(
+                f"the loss input comes from {_describe(current)}, which the tiled loss does not replay"
+            )
+        row_wise_only.append(row_wise_only[-1] and not slices and not regrouped)
+        previous = current
+    ops += tail_ops
+    steps.append(
+        ("log_softmax + nll_loss" if erase else "cross_entropy")
+        + f"(reduction={options['reduction']}, ignore_index={options['ignore_index']}"
+        + (f", label_smoothing={options['label_smoothing']}" if options["label_smoothing"] else "")
+        + ")"
     )
+
+    # consumers: each node feeds the next; one of them may also be returned
+    path = [node, *chain]
+    returned = None
+    returned_same_shape = False
+    for position, (producer, consumer) in enumerate(zip(path, [*chain, loss], strict=True)):
+        others = [u for u in producer.users if u is not consumer]
+        if others and all(u.op == "output" for u in others) and returned is None:
+            returned, returned_same_shape = producer, row_wise_only[position]
+            continue
+        if others:
+            raise _NoMatch(
+                f"the logits are also consumed by {', '.join(_describe(u) for u in others)}, so they "
+                "must exist whole; compute that from the loss or drop it to get the tiled loss"
+            )
     return Region(
         loss=loss,
+        erase=erase,
         linear=node,
         hidden=hidden,
         weight=weight,
         bias=bias,
         target=target,
-        between=list(reversed(between)),
+        chain=chain,
+        slices=slices,
+        ops=ops,
+        extras=extras,
+        upcast=any(op[0] == "cast" for op in ops) or linear_val.dtype == torch.float32,
+        returned=returned,
+        returned_same_shape=returned_same_shape,
         transpose=transpose,
-        upcast=upcast or linear_val.dtype == torch.float32,
+        num_tokens=logits_val.shape[0],
         ignore_index=options["ignore_index"],
         reduction=options["reduction"],
         label_smoothing=float(options["label_smoothing"]),
@@ -269,31 +491,92 @@ def match_region(loss: torch.fx.Node) -> Region:
     )
 
 
-def _is_cross_entropy(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target is F.cross_entropy
+def _is_loss(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (F.cross_entropy, F.nll_loss)
 
 
-def _rewrite(graph: torch.fx.Graph, region: Region, tile_tokens: int) -> None:
+def _prefix_module(region: Region, inputs: list[torch.fx.Node]) -> torch.fx.GraphModule:
+    """A GraphModule computing the returned logits from ``inputs``, copied from the region."""
+    graph = torch.fx.Graph()
+    env = {node: graph.placeholder(f"input_{i}") for i, node in enumerate(inputs)}
+    end = region.chain.index(region.returned) + 1 if region.returned in region.chain else 0
+    for node in [region.transpose, region.linear, *region.chain[:end]]:
+        if node is not None:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[region.returned])
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _prefix_inputs(region: Region) -> list[torch.fx.Node]:
+    """Every node the returned logits depend on from outside the region: hidden, weight, ..."""
+    inside = {region.transpose, region.linear, *region.chain}
+    end = region.chain.index(region.returned) + 1 if region.returned in region.chain else 0
+    inputs = [region.hidden, region.weight] + ([region.bias] if region.bias is not None else [])
+    for node in [region.transpose, region.linear, *region.chain[:end]]:
+        if node is not None:
+            inputs += [n for n in node.all_input_nodes if n not in inputs and n not in inside]
+    return inputs
+
+
+def _rewrite(graph: torch.fx.Graph, region: Region, tile_tokens: int, drop_logits: bool, result) -> str:
+    """Apply one rewrite; return how a returned logits output was handled."""
     loss = region.loss
     with graph.inserting_before(loss):
+        hidden = region.hidden
+        for index in region.slices:
+            hidden = graph.call_function(operator.getitem, (hidden, index))
         tiled = graph.call_function(
-            linear_cross_entropy,
-            (region.hidden, region.weight, region.target),
+            tiled_region_loss,
+            (hidden, region.weight, region.bias, region.target, list(region.extras)),
             {
-                "bias": region.bias,
+                "head_spec": json.dumps(region.ops),
                 "ignore_index": region.ignore_index,
                 "reduction": region.reduction,
                 "label_smoothing": region.label_smoothing,
                 "tile_tokens": tile_tokens,
-                "upcast": region.upcast,
             },
         )
     tiled.meta.update(loss.meta)
     loss.replace_all_uses_with(tiled)
     graph.erase_node(loss)
-    for node in [*reversed(region.between), region.linear, region.transpose]:
+    for node in region.erase:
+        graph.erase_node(node)
+
+    handled = "not returned"
+    if region.returned is not None:
+        output = next(n for n in graph.nodes if n.op == "output")
+        outputs = list(output.args[0])
+        if result.num_outputs == 0:
+            result.num_outputs = len(outputs)
+        position = outputs.index(region.returned)
+        extra_base = len(outputs) - result.num_outputs
+        if drop_logits and region.returned_same_shape:
+            outputs[position] = None
+            record = ReturnedLogits(
+                position, [extra_base], None, _val(region.weight).shape[0], _val(region.returned).dtype
+            )
+            outputs.append(region.hidden)
+            handled = "dropped (drop_logits=True): a zero-byte NaN placeholder is returned"
+        else:
+            with graph.inserting_after(region.returned):
+                detached = graph.call_method("detach", (region.returned,))
+            detached.meta.update(region.returned.meta)
+            outputs[position] = detached
+            inputs = _prefix_inputs(region)
+            record = ReturnedLogits(
+                position, list(range(extra_base, extra_base + len(inputs))), _prefix_module(region, inputs)
+            )
+            outputs += inputs
+            handled = (
+                "returned exactly: kept in the model dtype, no float32 upcast, no saved softmax, "
+                "and its gradient is computed only if the caller uses it"
+            )
+        result.returned_logits.append(record)
+        output.args = (tuple(outputs),)
+    for node in [*reversed(region.chain), region.linear, region.transpose]:
         if node is not None and not node.users:
             graph.erase_node(node)
+    return handled
 
 
 def rewrite_graph(
@@ -302,24 +585,31 @@ def rewrite_graph(
     graph_index: int = 0,
     tile_tokens: int | None = None,
     tile_bytes: int | None = None,
-) -> GraphReport:
+    drop_logits: bool = False,
+) -> GraphRewrite:
     """Rewrite every exactly-matched region of ``gm`` in place; report every candidate."""
-    report = GraphReport(index=graph_index)
-    for loss in [n for n in gm.graph.nodes if _is_cross_entropy(n)]:
+    result = GraphRewrite(GraphReport(index=graph_index))
+    report = result.report
+    for loss in [n for n in gm.graph.nodes if _is_loss(n)]:
         try:
             region = match_region(loss)
         except _NoMatch as why:
             report.skipped.append(Skip(graph_index, source_line(loss), str(why)))
             continue
-        logits_val, hidden_val = _val(region.linear), _val(region.hidden)
         vocab_size, hidden_size = _val(region.weight).shape
-        dtype = logits_val.dtype
+        dtype = _val(region.linear).dtype
         # the tile only affects speed, so a symbolic vocabulary is sized by its hint, unguarded
         tile = choose_tile_tokens(
             optimization_hint(vocab_size, fallback=32768), dtype, region.upcast,
             tile_tokens=tile_tokens, tile_bytes=tile_bytes,
         )  # fmt: skip
-        num_tokens = hidden_val.numel() // hidden_size
+        num_tokens = region.num_tokens
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        returned_val = _val(region.returned) if region.returned is not None else None
+        handled = _rewrite(gm.graph, region, tile, drop_logits, result)
+        kept = 0
+        if returned_val is not None and not handled.startswith("dropped"):
+            kept = returned_val.numel() * returned_val.element_size()
         report.rewrites.append(
             Rewrite(
                 graph=graph_index,
@@ -333,27 +623,25 @@ def rewrite_graph(
                 reduction=region.reduction,
                 tile_tokens=tile,
                 num_tiles=_plain((num_tokens + tile - 1) // tile),
-                forward_bytes_avoided=_plain(num_tokens * vocab_size * _forward_bytes(dtype, region.upcast)),
-                backward_bytes_avoided=_plain(num_tokens * vocab_size * _backward_bytes(dtype)),
+                forward_bytes_avoided=_plain(
+                    num_tokens * vocab_size * _forward_bytes(itemsize, region.upcast)
+                ),
+                backward_bytes_avoided=_plain(
+                    num_tokens * vocab_size * (4 + (itemsize if itemsize != 4 else 0))
+                ),
+                returned_logits=handled,
+                returned_logits_bytes=_plain(kept),
             )
         )
-        _rewrite(gm.graph, region, tile)
     if report.rewrites:
         gm.graph.lint()
         gm.recompile()
-    return report
+    return result
 
 
-def _forward_bytes(dtype: torch.dtype, upcast: bool) -> int:
+def _forward_bytes(itemsize: int, upcast: bool) -> int:
     """Logits in the model dtype, their fp32 upcast, and the fp32 log-probs saved for backward."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
     return itemsize + (4 if upcast and itemsize != 4 else 0) + 4
-
-
-def _backward_bytes(dtype: torch.dtype) -> int:
-    """The fp32 logits gradient, and its cast to the model dtype."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 4 + (itemsize if itemsize != 4 else 0)
 
 
 def _plain(value) -> int | str:

@@ -41,6 +41,8 @@ class Rewrite:
     num_tiles: int | str
     forward_bytes_avoided: int | str
     backward_bytes_avoided: int | str
+    returned_logits: str = "not returned"
+    returned_logits_bytes: int | str = 0
 
     def __str__(self) -> str:
         return (
@@ -51,6 +53,12 @@ class Rewrite:
             f"reduction={self.reduction}, tile={self.tile_tokens} tokens x {self.num_tiles} tiles\n"
             f"    logits avoided: {_fmt_bytes(self.forward_bytes_avoided)} in forward, "
             f"{_fmt_bytes(self.backward_bytes_avoided)} in backward"
+            + (
+                ""
+                if self.returned_logits == "not returned"
+                else f"\n    logits output: {self.returned_logits} "
+                f"({_fmt_bytes(self.returned_logits_bytes)} kept)"
+            )
         )
 
 

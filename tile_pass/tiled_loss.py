@@ -20,6 +20,8 @@ The count of valid tokens is a tensor, so nothing in here synchronises with the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tile_pass._tile_kernel import KernelKey, LossHead, tile_kernel
@@ -28,8 +30,17 @@ from tile_pass._tiling import choose_tile_tokens, effective_tile
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def _loss_dtype(hidden: torch.Tensor, upcast: bool) -> torch.dtype:
-    return torch.promote_types(hidden.dtype, torch.float32) if upcast else hidden.dtype
+@functools.lru_cache(maxsize=256)
+def _loss_dtype_cached(head_spec: str, dtype: torch.dtype, extras: tuple[torch.dtype, ...]) -> torch.dtype:
+    head = LossHead(LossHead.parse_ops(head_spec), -100, 0.0)
+    meta = [torch.empty((), dtype=d, device="meta") for d in extras]
+    x = torch.empty(1, 1, dtype=dtype, device="meta")
+    return head.logits(x, x, None, meta).dtype
+
+
+def _loss_dtype(hidden: torch.Tensor, head_spec: str, extras) -> torch.Tensor:
+    """The dtype the logits reach the loss in (so the loss's dtype), as eager would have it."""
+    return _loss_dtype_cached(head_spec, hidden.dtype, tuple(e.dtype for e in extras))
 
 
 def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -42,6 +53,7 @@ def _run_tiles(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     target: torch.Tensor,
+    extras: list[torch.Tensor],
     coef: torch.Tensor,
     head: LossHead,
     tile_tokens: int,
@@ -67,6 +79,7 @@ def _run_tiles(
             weight_dtype=weight.dtype,
             bias_dtype=None if bias is None else bias.dtype,
             target_dtype=target.dtype,
+            extras=tuple((tuple(e.shape), e.dtype) for e in extras),
             device=hidden.device,
             need_hidden=need_hidden,
             need_weight=need_weight,
@@ -74,11 +87,11 @@ def _run_tiles(
             acc_dtype=coef.dtype,
         )
     )
-    f32 = coef.dtype
-    total = hidden.new_zeros((), dtype=f32)
+    acc = coef.dtype
+    total = hidden.new_zeros((), dtype=acc)
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
-    weight_acc = weight.new_zeros(weight.shape, dtype=f32) if need_weight else None
-    bias_acc = weight.new_zeros((vocab_size,), dtype=f32) if need_bias else None
+    weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
+    bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
 
     for start in range(0, num_tokens, tile):
         stop = min(start + tile, num_tokens)
@@ -88,8 +101,8 @@ def _run_tiles(
             h_t = torch.cat([h_t, h_t.new_zeros(tile - rows, hidden_size)])
             y_t = torch.cat([y_t, y_t.new_full((tile - rows,), head.ignore_index)])
             c_t = torch.cat([c_t, c_t.new_zeros(tile - rows)])
-        losses, grad_h_t = kernel(h_t, weight, bias, y_t, c_t, weight_acc, bias_acc)
-        total += losses.sum(dtype=f32)
+        losses, grad_h_t = kernel(h_t, weight, bias, y_t, extras, c_t, weight_acc, bias_acc)
+        total += losses.sum(dtype=acc)
         if token_losses_out is not None:
             token_losses_out[start:stop] = losses[:rows]
         if grad_hidden is not None:
@@ -101,70 +114,20 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,))
 
 
-# --------------------------------------------------------------------------- mean / sum
-
-
-@torch.library.custom_op("tile_pass::linear_ce_reduced", mutates_args=())
-def _linear_ce_reduced(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    upcast: bool,
-    mean: bool,
-    tile_tokens: int,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    head = LossHead(upcast, ignore_index, label_smoothing)
-    valid = target != ignore_index
-    count = valid.sum()
-    coef = valid.to(_acc_dtype(hidden))
-    if mean:
-        # 1 / (global valid count) on valid tokens, 0 elsewhere (also when count == 0)
-        coef = coef / count.clamp_min(1)
-    total, grad_h, grad_w, grad_b = _run_tiles(
-        hidden, weight, bias, target, coef, head, tile_tokens, need_hidden, need_weight, need_bias
-    )
-    loss = total / count if mean else total
+def _grads_or_empty(hidden, weight, bias, grad_h, grad_w, grad_b):
     return (
-        loss.to(_loss_dtype(hidden, upcast)),
         grad_h if grad_h is not None else _empty(hidden),
         grad_w.to(weight.dtype) if grad_w is not None else _empty(weight),
         grad_b.to(bias.dtype) if grad_b is not None else _empty(weight),
     )
 
 
-@_linear_ce_reduced.register_fake
-def _(hidden, weight, bias, target, ignore_index, label_smoothing, upcast, mean,
-      tile_tokens, need_hidden, need_weight, need_bias):  # fmt: skip
+def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
     return (
-        hidden.new_empty((), dtype=_loss_dtype(hidden, upcast)),
         torch.empty_like(hidden) if need_hidden else _empty(hidden),
         torch.empty_like(weight) if need_weight else _empty(weight),
         torch.empty_like(bias) if need_bias else _empty(weight),
     )
-
-
-def _reduced_setup_context(ctx, inputs, output):
-    ctx.need = inputs[9:12]
-    ctx.save_for_backward(*output[1:])
-
-
-def _reduced_vjp(ctx, grad_loss, _grad_h, _grad_w, _grad_b):
-    # Glue, not a gradient formula: the gradients were derived (see _tile_kernel) in
-    # forward at unit upstream gradient; the loss is a scalar, so the chain rule only
-    # scales them by the incoming gradient.
-    _check_needed(ctx)
-    saved = ctx.saved_tensors
-    grads = [(saved[i] * grad_loss).to(saved[i].dtype) if ctx.need[i] else None for i in range(3)]
-    return (*grads, None, None, None, None, None, None, None, None, None)
-
-
-_linear_ce_reduced.register_autograd(_reduced_vjp, setup_context=_reduced_setup_context)
 
 
 def _check_needed(ctx):
@@ -176,6 +139,66 @@ def _check_needed(ctx):
             )
 
 
+# --------------------------------------------------------------------------- mean / sum
+
+
+@torch.library.custom_op("tile_pass::linear_ce_reduced", mutates_args=())
+def _linear_ce_reduced(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    extras: list[torch.Tensor],
+    head_spec: str,
+    ignore_index: int,
+    label_smoothing: float,
+    mean: bool,
+    tile_tokens: int,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing)
+    valid = target != ignore_index
+    count = valid.sum()
+    coef = valid.to(_acc_dtype(hidden))
+    if mean:
+        # 1 / (global valid count) on valid tokens, 0 elsewhere (also when count == 0)
+        coef = coef / count.clamp_min(1)
+    total, *grads = _run_tiles(
+        hidden, weight, bias, target, extras, coef, head, tile_tokens,
+        need_hidden, need_weight, need_bias,
+    )  # fmt: skip
+    loss = total / count if mean else total
+    return (loss.to(_loss_dtype(hidden, head_spec, extras)), *_grads_or_empty(hidden, weight, bias, *grads))
+
+
+@_linear_ce_reduced.register_fake
+def _(hidden, weight, bias, target, extras, head_spec, ignore_index, label_smoothing, mean,
+      tile_tokens, need_hidden, need_weight, need_bias):  # fmt: skip
+    loss = hidden.new_empty((), dtype=_loss_dtype(hidden, head_spec, extras))
+    return (loss, *_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias))
+
+
+def _reduced_setup_context(ctx, inputs, output):
+    ctx.need = inputs[10:13]
+    ctx.num_extras = len(inputs[4])
+    ctx.save_for_backward(*output[1:])
+
+
+def _reduced_vjp(ctx, grad_loss, _grad_h, _grad_w, _grad_b):
+    # Glue, not a gradient formula: the gradients were derived (see _tile_kernel) in
+    # forward at unit upstream gradient; the loss is a scalar, so the chain rule only
+    # scales them by the incoming gradient.
+    _check_needed(ctx)
+    saved = ctx.saved_tensors
+    grads = [(saved[i] * grad_loss).to(saved[i].dtype) if ctx.need[i] else None for i in range(3)]
+    return (*grads, None, [None] * ctx.num_extras, None, None, None, None, None, None, None, None)
+
+
+_linear_ce_reduced.register_autograd(_reduced_vjp, setup_context=_reduced_setup_context)
+
+
 # ------------------------------------------------------------------------------- none
 
 
@@ -185,21 +208,22 @@ def _linear_ce_tokens(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     target: torch.Tensor,
+    extras: list[torch.Tensor],
+    head_spec: str,
     ignore_index: int,
     label_smoothing: float,
-    upcast: bool,
     tile_tokens: int,
 ) -> torch.Tensor:
-    head = LossHead(upcast, ignore_index, label_smoothing)
-    out = hidden.new_empty((hidden.shape[0],), dtype=_loss_dtype(hidden, upcast))
+    head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing)
+    out = hidden.new_empty((hidden.shape[0],), dtype=_loss_dtype(hidden, head_spec, extras))
     coef = hidden.new_zeros((hidden.shape[0],), dtype=_acc_dtype(hidden))
-    _run_tiles(hidden, weight, bias, target, coef, head, tile_tokens, False, False, False, out)
+    _run_tiles(hidden, weight, bias, target, extras, coef, head, tile_tokens, False, False, False, out)
     return out
 
 
 @_linear_ce_tokens.register_fake
-def _(hidden, weight, bias, target, ignore_index, label_smoothing, upcast, tile_tokens):
-    return hidden.new_empty((hidden.shape[0],), dtype=_loss_dtype(hidden, upcast))
+def _(hidden, weight, bias, target, extras, head_spec, ignore_index, label_smoothing, tile_tokens):
+    return hidden.new_empty((hidden.shape[0],), dtype=_loss_dtype(hidden, head_spec, extras))
 
 
 @torch.library.custom_op("tile_pass::linear_ce_tokens_backward", mutates_args=())
@@ -209,60 +233,93 @@ def _linear_ce_tokens_backward(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     target: torch.Tensor,
+    extras: list[torch.Tensor],
+    head_spec: str,
     ignore_index: int,
     label_smoothing: float,
-    upcast: bool,
     tile_tokens: int,
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    head = LossHead(upcast, ignore_index, label_smoothing)
-    _, grad_h, grad_w, grad_b = _run_tiles(
-        hidden, weight, bias, target, grad_tokens.to(_acc_dtype(hidden)), head, tile_tokens,
+    head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing)
+    _, *grads = _run_tiles(
+        hidden, weight, bias, target, extras, grad_tokens.to(_acc_dtype(hidden)), head, tile_tokens,
         need_hidden, need_weight, need_bias,
     )  # fmt: skip
-    return (
-        grad_h if grad_h is not None else _empty(hidden),
-        grad_w.to(weight.dtype) if grad_w is not None else _empty(weight),
-        grad_b.to(bias.dtype) if grad_b is not None else _empty(weight),
-    )
+    return _grads_or_empty(hidden, weight, bias, *grads)
 
 
 @_linear_ce_tokens_backward.register_fake
-def _(grad_tokens, hidden, weight, bias, target, ignore_index, label_smoothing, upcast,
+def _(grad_tokens, hidden, weight, bias, target, extras, head_spec, ignore_index, label_smoothing,
       tile_tokens, need_hidden, need_weight, need_bias):  # fmt: skip
-    return (
-        torch.empty_like(hidden) if need_hidden else _empty(hidden),
-        torch.empty_like(weight) if need_weight else _empty(weight),
-        torch.empty_like(bias) if need_bias else _empty(weight),
-    )
+    return _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def _tokens_setup_context(ctx, inputs, output):
-    hidden, weight, bias, target, *options = inputs
+    hidden, weight, bias, target, extras, *options = inputs
     ctx.options = options
-    ctx.save_for_backward(hidden, weight, bias, target)
+    ctx.num_extras = len(extras)
+    ctx.save_for_backward(hidden, weight, bias, target, *extras)
 
 
 def _tokens_vjp(ctx, grad_tokens):
     # The per-token gradient becomes the token weights of a re-run of the tiles, whose
     # gradient is derived (see _tile_kernel): an exact vector-Jacobian product.
-    hidden, weight, bias, target = ctx.saved_tensors
+    hidden, weight, bias, target, *extras = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     need = (need[0], need[1], need[2] and bias is not None)
     grad_h, grad_w, grad_b = _linear_ce_tokens_backward(
-        grad_tokens, hidden, weight, bias, target, *ctx.options, *need
+        grad_tokens, hidden, weight, bias, target, extras, *ctx.options, *need
     )
     return (
         grad_h if need[0] else None,
         grad_w if need[1] else None,
         grad_b if need[2] else None,
-        None, None, None, None, None,
+        None, [None] * ctx.num_extras, None, None, None, None,
     )  # fmt: skip
 
 
 _linear_ce_tokens.register_autograd(_tokens_vjp, setup_context=_tokens_setup_context)
+
+
+def tiled_region_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    extras: list[torch.Tensor],
+    *,
+    head_spec: str,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    tile_tokens: int,
+) -> torch.Tensor:
+    """The loss of a matched region, tiled: flattens tokens and picks the op for ``reduction``.
+
+    ``head_spec`` is the JSON list of :class:`~tile_pass._tile_kernel.LossHead` ops.
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    target = target.reshape(-1)
+    extras = [e.reshape(()) if e.numel() == 1 else e.reshape(-1) for e in extras]
+    for e in extras:
+        if e.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError(
+                "tile_pass: a tensor between the LM head and the loss requires grad; "
+                "learnable logit scales/biases are not supported by the tiled loss yet"
+            )
+    options = (head_spec, int(ignore_index), float(label_smoothing))
+    if reduction == "none":
+        return _linear_ce_tokens(hidden, weight, bias, target, extras, *options, tile_tokens)
+    grad_on = torch.is_grad_enabled()
+    loss, *_ = _linear_ce_reduced(
+        hidden, weight, bias, target, extras, *options, reduction == "mean", tile_tokens,
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )  # fmt: skip
+    return loss
 
 
 # ------------------------------------------------------------------------- public API
@@ -280,6 +337,8 @@ def linear_cross_entropy(
     tile_tokens: int | None = None,
     tile_bytes: int | None = None,
     upcast: bool = True,
+    logit_scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)``, tiled.
 
@@ -288,7 +347,9 @@ def linear_cross_entropy(
     one tile of ``tile_tokens`` tokens at a time (default: from the ``tile_bytes`` budget,
     see :mod:`tile_pass._tiling`), in forward and backward. ``upcast=False`` computes the
     loss in the logits' own dtype, like calling ``F.cross_entropy`` on half-precision
-    logits; float64 inputs are never downcast. With ``reduction="none"`` the result has shape ``[N]``.
+    logits; float64 inputs are never downcast. ``logit_scale`` multiplies the logits and
+    ``softcap`` caps them (``softcap * tanh(logits / softcap)``, Gemma 2) before the upcast,
+    inside each tile. With ``reduction="none"`` the result has shape ``[N]``.
 
     Works in eager code and inside ``torch.compile`` (no graph break, no host sync).
     """
@@ -327,17 +388,19 @@ def linear_cross_entropy(
             "hidden, weight and bias must share one dtype, as F.linear requires; got "
             f"{hidden.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}"
         )
+    upcast = bool(upcast) and hidden.dtype in (torch.float16, torch.bfloat16)
+    ops = []  # the head spec, written without json so Dynamo can trace this function
+    if logit_scale is not None:
+        ops.append(f'["mul", {float(logit_scale)!r}]')
+    if softcap is not None:
+        cap = repr(float(softcap))
+        ops += [f'["div", {cap}]', '["tanh"]', f'["mul", {cap}]']
+    if upcast:
+        ops.append('["cast", "float32"]')
     tile = choose_tile_tokens(
         vocab_size, hidden.dtype, upcast, tile_tokens=tile_tokens, tile_bytes=tile_bytes
     )
-    options = (int(ignore_index), float(label_smoothing), bool(upcast))
-    if reduction == "none":
-        return _linear_ce_tokens(hidden, weight, bias, target, *options, tile)
-    grad_on = torch.is_grad_enabled()
-    loss, *_ = _linear_ce_reduced(
-        hidden, weight, bias, target, *options, reduction == "mean", tile,
-        grad_on and hidden.requires_grad,
-        grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad,
+    return tiled_region_loss(
+        hidden, weight, bias, target, [], head_spec="[" + ", ".join(ops) + "]", ignore_index=ignore_index,
+        reduction=reduction, label_smoothing=label_smoothing, tile_tokens=tile,
     )  # fmt: skip
-    return loss
