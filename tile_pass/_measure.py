@@ -139,13 +139,17 @@ def run_step(config: StepConfig) -> dict:
 FRESH_PROCESS_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
-def run_fresh(argv: list[str], timeout: float = 1800) -> dict:
-    """Run ``python *argv`` in a fresh interpreter; parse the JSON of its last output line."""
+def run_fresh(argv: list[str], timeout: float = 1800, env: dict[str, str] | None = None) -> dict:
+    """Run ``python *argv`` in a fresh interpreter; parse the JSON of its last output line.
+
+    ``env`` adds variables on top of :data:`FRESH_PROCESS_ENV` (e.g. an Inductor switch that
+    must be set before torch is imported).
+    """
     proc = subprocess.run(
         [sys.executable, *argv],
         capture_output=True,
         text=True,
-        env=dict(os.environ, **FRESH_PROCESS_ENV),
+        env=dict(os.environ, **FRESH_PROCESS_ENV, **(env or {})),
         timeout=timeout,
     )
     if proc.returncode != 0:

@@ -1,0 +1,694 @@
+"""Side-by-side benchmark of LM-head losses: time, memory, compile cost, recompiles, exactness.
+
+    python -m tile_pass.bench --quick                     # a few minutes on a 2-core CPU
+    python -m tile_pass.bench --full --json full.json     # N=4096..16384, H=1024..4096, V=32000/128256
+    python -m tile_pass.bench --impl inductor,tile_pass --tokens 8192 --hidden 1024 --vocab 128256
+    python -m tile_pass.bench --sweep-tile --tokens 4096  # tile_pass's chosen tile against a sweep
+    python -m tile_pass.bench --dynamic --tokens 2048     # dynamic=True over 8 sequence lengths
+
+Every (implementation, shape, dtype) is measured in its own fresh interpreter, so no
+allocator cache, compiled artefact or Inductor config of one implementation leaks into
+another. In that child: compile and warm up (the first call), then ``repeats`` steady
+forward+backward steps (median time; peak memory of the first one above the inputs, see
+:mod:`tile_pass._measure`), then the loss and both gradients are compared with eager
+float64 computed on the same data in the same process (chunked over tokens, so the check
+never needs the ``[N, V]`` float64 logits). Errors are ``max|x - ref| / max|ref|``.
+
+The "gemm_floor" row times the three GEMMs a step cannot avoid (``h @ W.T``,
+``dlogits @ W``, ``dlogits.T @ h``) on the same shape; every row reports its time relative
+to it and relative to plain Inductor from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tile_pass._measure import MiB, lm_head_loss, peak_memory, reset_peak_memory, run_fresh
+
+#: Every implementation the benchmark knows. CPU-only runs use :func:`default_impls`.
+IMPLS = ("eager", "inductor", "autochunker", "torch_chunked", "cce", "tile_pass", "liger", "cce_kernel")
+FLOOR = "gemm_floor"
+IGNORE_INDEX = -100
+
+#: (implementation, logits-sized buffers alive at the peak): a coarse model used only to
+#: skip a child that would not fit in the memory available (eager keeps the logits, their
+#: float32 log-probabilities and their gradient; chunked implementations keep none).
+_LOGITS_COPIES = {"eager": 4.0, "inductor": 3.0, "autochunker": 3.0, "gemm_floor": 2.0}
+
+
+@dataclass
+class BenchConfig:
+    """One measurement: an implementation at one shape and dtype (serialised to the child)."""
+
+    impl: str = "tile_pass"
+    tokens: int = 4096
+    hidden: int = 1024
+    vocab: int = 32000
+    dtype: str = "float32"
+    device: str = "cpu"
+    tile_tokens: int | None = None
+    tile_bytes: int | None = None
+    repeats: int = 3
+    seed: int = 0
+    check: bool = True
+    dynamic_lengths: list[int] = field(default_factory=list)  # non-empty: the dynamic-shape check
+
+
+# ------------------------------------------------------------------ the child process
+
+
+def _make_inputs(cfg: BenchConfig, tokens: int | None = None):
+    n = cfg.tokens if tokens is None else tokens
+    gen = torch.Generator().manual_seed(cfg.seed + n)
+    dtype = getattr(torch, cfg.dtype)
+    hidden = torch.randn(n, cfg.hidden, generator=gen).to(device=cfg.device, dtype=dtype)
+    weight = torch.randn(cfg.vocab, cfg.hidden, generator=gen) / cfg.hidden**0.5
+    weight = torch.nn.Parameter(weight.to(device=cfg.device, dtype=dtype))
+    labels = torch.randint(0, cfg.vocab, (n,), generator=gen).to(cfg.device)
+    labels[::7] = IGNORE_INDEX  # some ignored tokens, unevenly spread over tiles
+    return hidden.requires_grad_(), weight, labels
+
+
+def _instrument_autochunker(events: list[str]) -> None:
+    """Record what the AutoChunker did with each joint graph (it fails silently otherwise)."""
+    import torch._inductor.compile_fx  # noqa: F401 - registers prims the chunker refers to
+    import torch._inductor.fx_passes.auto_chunker as auto_chunker
+
+    torch._inductor.config.auto_chunker.enable = True
+    original = auto_chunker.chunk
+
+    def chunk(gm):
+        try:
+            out = original(gm)
+        except auto_chunker.CantChunk as exc:
+            events.append(f"CantChunk: {exc}")
+            raise
+        events.append("chunked" if out is not gm else "unchanged")
+        return out
+
+    auto_chunker.chunk = chunk  # joint_graph imports it from the package at call time
+
+
+def _build(cfg: BenchConfig, info: dict[str, Any]) -> Callable:
+    """The loss function of ``cfg.impl``; ``info`` collects what the child should report."""
+    dynamic = True if cfg.dynamic_lengths else None
+    if cfg.impl == "eager":
+        return lm_head_loss
+    if cfg.impl == "inductor":
+        return torch.compile(lm_head_loss, backend="inductor", dynamic=dynamic)
+    if cfg.impl == "autochunker":
+        events: list[str] = []
+        info["autochunker_events"] = events
+        _instrument_autochunker(events)
+        return torch.compile(lm_head_loss, backend="inductor", dynamic=dynamic)
+    if cfg.impl == "tile_pass":
+        import tile_pass
+
+        backend = tile_pass.backend("inductor", tile_tokens=cfg.tile_tokens, tile_bytes=cfg.tile_bytes)
+        info["backend"] = backend
+        return torch.compile(lm_head_loss, backend=backend, dynamic=dynamic)
+    if cfg.impl == "torch_chunked":
+        from torch.nn import LinearCrossEntropyOptions
+
+        options = LinearCrossEntropyOptions()
+        try:  # private, informative only: the chunk size "auto" resolves to here
+            adjusted = options._adjust(
+                cfg.tokens, cfg.hidden, cfg.vocab, getattr(torch, cfg.dtype), torch.device(cfg.device)
+            )
+            info["note"] = f"chunk={adjusted.batch_chunk_size} acc={adjusted.acc_policy}"
+        except Exception:  # noqa: BLE001 - a private helper; absent in other torch versions
+            pass
+
+        def torch_chunked(h, w, y):
+            return F.linear_cross_entropy(h, w, y, ignore_index=IGNORE_INDEX, options=options)
+
+        return torch_chunked
+    if cfg.impl in ("cce", "cce_kernel"):
+        from cut_cross_entropy import linear_cross_entropy as cce_loss
+
+        impl = "torch_compile" if cfg.impl == "cce" else "cce"
+
+        def cce(h, w, y):
+            return cce_loss(h, w, y, ignore_index=IGNORE_INDEX, impl=impl)
+
+        return cce
+    if cfg.impl == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger_loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+        return lambda h, w, y: liger_loss(w, h, y)
+    raise ValueError(f"unknown implementation {cfg.impl!r}; choose from {IMPLS}")
+
+
+def float64_reference(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_bytes: int = 256 * MiB
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eager float64 loss, d loss/d hidden and d loss/d weight (mean over valid tokens).
+
+    Chunked over tokens so the oracle fits next to a large-vocab step: each chunk is plain
+    ``F.cross_entropy(F.linear(...))`` in float64 with autograd; only summation order differs
+    from one whole-batch call, which float64 makes irrelevant.
+    """
+    h64 = hidden.detach().double()
+    w64 = weight.detach().double().requires_grad_()
+    count = (labels != IGNORE_INDEX).sum().double()
+    rows = max(1, chunk_bytes // (8 * weight.shape[0] * 2))
+    loss = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    grad_h = torch.empty_like(h64)
+    grad_w = torch.zeros_like(w64)
+    for start in range(0, h64.shape[0], rows):
+        h_c = h64[start : start + rows].requires_grad_()
+        part = F.cross_entropy(
+            F.linear(h_c, w64), labels[start : start + rows], ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        part = part / count
+        g_h, g_w = torch.autograd.grad(part, (h_c, w64))
+        grad_h[start : start + rows] = g_h
+        grad_w += g_w
+        loss += part.detach()
+    return loss, grad_h, grad_w
+
+
+def relative_error(value: torch.Tensor | None, reference: torch.Tensor) -> float | None:
+    """``max|value - reference| / max|reference|`` (the test-suite tolerance convention)."""
+    if value is None:
+        return None
+    scale = reference.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
+    return float((value.detach().double() - reference).abs().max() / scale)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _tile_traces() -> int:
+    """Tile functions traced so far by tile_pass (a private cache; 0 if it moved)."""
+    try:
+        from tile_pass import _tile_kernel
+
+        return len(_tile_kernel._cache)
+    except (ImportError, AttributeError):
+        return 0
+
+
+def _gemm_floor(cfg: BenchConfig) -> dict[str, Any]:
+    device = torch.device(cfg.device)
+    dtype = getattr(torch, cfg.dtype)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    h = torch.randn(cfg.tokens, cfg.hidden, generator=gen).to(device, dtype)
+    w = torch.randn(cfg.vocab, cfg.hidden, generator=gen).to(device, dtype)
+    g = torch.randn(cfg.tokens, cfg.vocab, generator=gen).to(device, dtype)
+
+    def step():
+        logits = h @ w.T
+        grad_h = g @ w
+        grad_w = g.T @ h
+        return logits, grad_h, grad_w
+
+    t0 = time.perf_counter()
+    step()
+    _sync(device)
+    first = time.perf_counter() - t0
+    step()  # a second warm-up: thread pools and allocator settle
+    times = []
+    for _ in range(max(1, cfg.repeats)):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "first_call_s": first, "compile_s": 0.0}
+
+
+def _dynamic_check(cfg: BenchConfig, fn: Callable, info: dict[str, Any]) -> dict[str, Any]:
+    """Run every length in ``cfg.dynamic_lengths`` once; record new graphs and tile traces."""
+    device = torch.device(cfg.device)
+    per_length = []
+    for n in cfg.dynamic_lengths:
+        hidden, weight, labels = _make_inputs(cfg, tokens=n)
+        graphs, traces = _graph_count(), _tile_traces()
+        t0 = time.perf_counter()
+        fn(hidden, weight, labels).backward()
+        _sync(device)
+        per_length.append(
+            {
+                "tokens": n,
+                "seconds": time.perf_counter() - t0,
+                "new_graphs": _graph_count() - graphs,
+                "new_tile_traces": _tile_traces() - traces,
+            }
+        )
+    return {"lengths": per_length, "graphs": _graph_count(), "recompiles": max(0, _graph_count() - 1)}
+
+
+def run_child(cfg: BenchConfig) -> dict[str, Any]:
+    """Measure ``cfg`` in this process (meant to be a fresh one; see :func:`measure_fresh`)."""
+    device = torch.device(cfg.device)
+    out: dict[str, Any] = {**asdict(cfg), "torch": torch.__version__}
+    itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    out["logits_mib"] = cfg.tokens * cfg.vocab * itemsize / MiB
+    if cfg.impl == FLOOR:
+        return {**out, **_gemm_floor(cfg)}
+
+    torch.manual_seed(cfg.seed)
+    info: dict[str, Any] = {}
+    fn = _build(cfg, info)
+    if cfg.dynamic_lengths:
+        return {**out, **_dynamic_check(cfg, fn, info)}
+
+    hidden, weight, labels = _make_inputs(cfg)
+
+    def step():
+        hidden.grad = None
+        weight.grad = None
+        loss = fn(hidden, weight, labels)
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        first = time.perf_counter() - t0
+    graphs_after_first = _graph_count()
+    times: list[float] = []
+    peak = 0
+    for i in range(max(1, cfg.repeats)):
+        hidden.grad = None
+        weight.grad = None
+        base = reset_peak_memory(device)
+        t0 = time.perf_counter()
+        loss = step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        if i == 0:
+            peak = peak_memory(device) - base
+    median = statistics.median(times)
+    notes = []
+    fallback = [str(w.message) for w in caught if "linear_cross_entropy" in str(w.message)]
+    if cfg.impl == "torch_chunked":
+        notes.append("FELL BACK to reference: " + fallback[0][:120] if fallback else "chunked path")
+    if "note" in info:
+        notes.append(info["note"])
+    if "autochunker_events" in info:
+        events = info["autochunker_events"]
+        fired = any(e == "chunked" for e in events)
+        out["fired"] = fired
+        notes.append(("fired" if fired else "did not fire") + (f" ({'; '.join(events)})" if events else ""))
+    if "backend" in info:
+        rewrites = info["backend"].report().rewrites
+        out["fired"] = bool(rewrites)
+        if rewrites:
+            out["tile_tokens"] = rewrites[0].tile_tokens
+            notes.append(f"tile={rewrites[0].tile_tokens}x{rewrites[0].num_tiles}")
+        else:
+            notes.append("NOT REWRITTEN")
+    out.update(
+        loss=float(loss.detach()),
+        median_s=median,
+        first_call_s=first,
+        compile_s=max(0.0, first - median),
+        peak_mib=peak / MiB,
+        graphs=_graph_count(),
+        recompiles=max(0, _graph_count() - 1),
+        steady_new_graphs=_graph_count() - graphs_after_first,
+        note="; ".join(notes),
+    )
+    if cfg.check:
+        grads = (hidden.grad, weight.grad)
+        del loss
+        ref_loss, ref_h, ref_w = float64_reference(hidden, weight, labels)
+        out["err_loss"] = abs(out["loss"] - float(ref_loss)) / abs(float(ref_loss))
+        out["err_dh"] = relative_error(grads[0], ref_h)
+        out["err_dw"] = relative_error(grads[1], ref_w)
+    return out
+
+
+# ------------------------------------------------------------------ the parent process
+
+
+def _mem_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def estimated_peak_bytes(cfg: BenchConfig) -> int:
+    """A coarse upper estimate of a child's resident memory (inputs, grads, logits buffers)."""
+    itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    logits = cfg.tokens * cfg.vocab * max(itemsize, 4)
+    params = (cfg.tokens + cfg.vocab) * cfg.hidden * (2 * itemsize + (16 if cfg.check else 0))
+    return int(_LOGITS_COPIES.get(cfg.impl, 0.5) * logits + params + 1024 * MiB)
+
+
+def measure_fresh(
+    cfg: BenchConfig, timeout: float = 3600, warm_cache: bool = False, mem_fraction: float = 0.8
+) -> dict[str, Any]:
+    """Run :func:`run_child` in a fresh interpreter; failures become a row with ``error`` set.
+
+    Inductor's on-disk caches are disabled unless ``warm_cache``, so ``compile_s`` is a
+    cold compile. A child estimated not to fit in ``mem_fraction`` of the available memory
+    is skipped rather than risking the machine.
+    """
+    row: dict[str, Any] = asdict(cfg)
+    available = _mem_available_bytes() if cfg.device == "cpu" else None
+    need = estimated_peak_bytes(cfg)
+    if available is not None and need > mem_fraction * available:
+        return {**row, "error": f"skipped: needs ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} available"}
+    env = {} if warm_cache else {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    if cfg.impl == "autochunker":
+        env["TORCHINDUCTOR_AUTO_CHUNKER"] = "1"
+    try:
+        return run_fresh(["-m", "tile_pass.bench", "--child", json.dumps(asdict(cfg))], timeout, env)
+    except subprocess.TimeoutExpired:
+        return {**row, "error": f"timed out after {timeout:.0f} s"}
+    except RuntimeError as exc:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        return {**row, "error": lines[-1][:200] if lines else "failed"}
+
+
+def importable(module: str) -> bool:
+    """Whether an optional implementation's package can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def default_impls(device: str) -> list[str]:
+    """The implementations that can run here: optional ones only when installed."""
+    impls = ["eager", "inductor", "autochunker"]
+    if hasattr(F, "linear_cross_entropy"):
+        impls.append("torch_chunked")
+    if importable("cut_cross_entropy"):
+        impls.append("cce")
+    impls.append("tile_pass")
+    if device == "cuda":
+        if importable("liger_kernel"):
+            impls.append("liger")
+        if importable("cut_cross_entropy"):
+            impls.append("cce_kernel")
+    return impls
+
+
+def _shape_key(row: dict[str, Any]) -> tuple:
+    return (row["tokens"], row["hidden"], row["vocab"], row["dtype"], row["device"])
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Time, memory and compile ratios against plain inductor and the GEMM floor of each shape."""
+    for row in rows:
+        same = [r for r in rows if _shape_key(r) == _shape_key(row) and "error" not in r]
+        base = next((r for r in same if r["impl"] == "inductor"), None)
+        floor = next((r for r in same if r["impl"] == FLOOR), None)
+        if "error" in row:
+            continue
+        if base is not None:
+            row["time_x_inductor"] = row["median_s"] / base["median_s"]
+            if row.get("peak_mib") is not None and base.get("peak_mib"):
+                row["mem_x_inductor"] = row["peak_mib"] / base["peak_mib"]
+            if row["impl"] != FLOOR and base.get("compile_s"):
+                row["compile_x_inductor"] = row["compile_s"] / base["compile_s"]
+        if floor is not None:
+            row["time_x_floor"] = row["median_s"] / floor["median_s"]
+    return rows
+
+
+def run_benchmark(
+    shapes: Iterable[tuple[int, int, int, str]],
+    impls: Sequence[str],
+    *,
+    device: str = "cpu",
+    repeats: int = 3,
+    check: bool = True,
+    floor: bool = True,
+    tile_tokens: Sequence[int | None] = (None,),
+    timeout: float = 3600,
+    warm_cache: bool = False,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Measure every implementation at every ``(tokens, hidden, vocab, dtype)``, one child each.
+
+    ``tile_tokens`` lists the tiles tile_pass runs at (``None``: its own choice).
+    """
+    rows = []
+    for tokens, hidden, vocab, dtype in shapes:
+        shape = dict(tokens=tokens, hidden=hidden, vocab=vocab, dtype=dtype, device=device)
+        configs = [BenchConfig(impl=FLOOR, repeats=repeats, check=False, **shape)] if floor else []
+        for impl in impls:
+            tiles = tile_tokens if impl == "tile_pass" else (None,)
+            for tile in tiles:
+                configs.append(
+                    BenchConfig(impl=impl, tile_tokens=tile, repeats=repeats, check=check, **shape)
+                )
+        for cfg in configs:
+            row = measure_fresh(cfg, timeout=timeout, warm_cache=warm_cache)
+            row["swept"] = cfg.impl == "tile_pass" and cfg.tile_tokens is not None
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+    return add_ratios(rows)
+
+
+def run_dynamic(
+    impls: Sequence[str],
+    lengths: Sequence[int],
+    *,
+    hidden: int,
+    vocab: int,
+    dtype: str,
+    device: str = "cpu",
+    timeout: float = 3600,
+    warm_cache: bool = False,
+) -> list[dict[str, Any]]:
+    """Compile each implementation with ``dynamic=True`` and run ``lengths`` in one child."""
+    rows = []
+    for impl in impls:
+        cfg = BenchConfig(
+            impl=impl, tokens=max(lengths), hidden=hidden, vocab=vocab, dtype=dtype, device=device,
+            check=False, dynamic_lengths=list(lengths),
+        )  # fmt: skip
+        rows.append(measure_fresh(cfg, timeout=timeout, warm_cache=warm_cache))
+    return rows
+
+
+# ------------------------------------------------------------------ table output
+
+COLUMNS = (
+    ("impl", "impl", "{}"),
+    ("tokens", "N", "{}"),
+    ("hidden", "H", "{}"),
+    ("vocab", "V", "{}"),
+    ("dtype", "dtype", "{}"),
+    ("median_s", "step s", "{:.3f}"),
+    ("peak_mib", "peak MiB", "{:.0f}"),
+    ("compile_s", "compile s", "{:.1f}"),
+    ("recompiles", "recomp", "{}"),
+    ("err_loss", "err loss", "{:.1e}"),
+    ("err_dh", "err dh", "{:.1e}"),
+    ("err_dw", "err dW", "{:.1e}"),
+    ("time_x_inductor", "time/ind", "{:.2f}"),
+    ("mem_x_inductor", "mem/ind", "{:.2f}"),
+    ("compile_x_inductor", "compile/ind", "{:.2f}"),
+    ("time_x_floor", "time/floor", "{:.2f}"),
+    ("note", "note", "{}"),
+)
+
+
+def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
+    if key == "note" and "error" in row:
+        return "ERROR: " + row["error"]
+    value = row.get(key)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if row["impl"] == FLOOR and key in ("peak_mib", "compile_s"):
+        return "-"
+    return fmt.format(value)
+
+
+def format_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
+    """The rows as an aligned text table (or a Markdown table)."""
+    header = [title for _, title, _ in COLUMNS]
+    body = [[_cell(row, key, fmt) for key, _, fmt in COLUMNS] for row in rows]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+                     for cells in [header, *body])  # fmt: skip
+
+
+def format_dynamic(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per (implementation, length): new graphs compiled and tile functions traced."""
+    lines = ["impl        N       step+compile s  new graphs  new tile traces"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"{row['impl']:<11} ERROR: {row['error']}")
+            continue
+        for item in row["lengths"]:
+            lines.append(
+                f"{row['impl']:<11} {item['tokens']:<7} {item['seconds']:<15.2f} "
+                f"{item['new_graphs']:<11} {item['new_tile_traces']}"
+            )
+        lines.append(f"{row['impl']:<11} total: {row['graphs']} graph(s), {row['recompiles']} recompile(s)")
+    return "\n".join(lines)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    model = platform.processor() or platform.machine()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        model = next(
+            (ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), model
+        )
+    except (OSError, subprocess.SubprocessError):
+        pass
+    info = {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+# ------------------------------------------------------------------ CLI
+
+QUICK = [(n, 512, 32000, "float32") for n in (1024, 2048)] + [(2048, 512, 32000, "bfloat16")]
+FULL = [
+    (n, h, v, dt)
+    for dt in ("float32", "bfloat16")
+    for v in (32000, 128256)
+    for h in (1024, 4096)
+    for n in (4096, 8192, 16384)
+]
+SWEEP_TILES = (128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m tile_pass.bench",
+        description="Side-by-side benchmark of LM-head losses (one fresh process per measurement).",
+    )
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true", help="N=1024,2048 H=512 V=32000 fp32 + one bf16")
+    preset.add_argument("--full", action="store_true", help="N=4096..16384, H=1024/4096, V=32000/128256")
+    p.add_argument("--impl", help=f"comma-separated subset of {','.join(IMPLS)} (default: what runs here)")
+    p.add_argument("--tokens", type=_ints, default=[4096], help="comma-separated N values")
+    p.add_argument("--hidden", type=_ints, default=[1024])
+    p.add_argument("--vocab", type=_ints, default=[32000])
+    p.add_argument("--dtype", default="float32", help="comma-separated: float32,bfloat16,float16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--repeats", type=int, default=3, help="steady steps per measurement (median)")
+    p.add_argument("--no-check", action="store_true", help="skip the float64 exactness check")
+    p.add_argument("--no-floor", action="store_true", help="skip the GEMM-floor measurement")
+    p.add_argument("--sweep-tile", action="store_true", help="tile_pass at several tile_tokens too")
+    p.add_argument("--tiles", type=_ints, help=f"tiles for --sweep-tile (default {SWEEP_TILES} up to N)")
+    p.add_argument("--dynamic", action="store_true", help="dynamic=True over 8 lengths up to --tokens")
+    p.add_argument("--warm-cache", action="store_true", help="keep Inductor's caches (compile_s not cold)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per measurement")
+    p.add_argument("--json", help="write the rows (and machine info) to this file")
+    p.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The command line: measure, print the table, optionally write JSON."""
+    args = _parse(argv)
+    impls = args.impl.split(",") if args.impl else default_impls(args.device)
+    for impl in impls:
+        if impl not in IMPLS:
+            raise SystemExit(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
+    dtypes = args.dtype.split(",")
+    result: dict[str, Any] = {"machine": machine_info(), "argv": list(sys.argv[1:] if argv is None else argv)}
+
+    def progress(row: dict[str, Any]) -> None:
+        if not args.quiet:
+            what = row.get("error") or f"{row.get('median_s', 0):.3f} s, {row.get('peak_mib') or 0:.0f} MiB"
+            print(f"  {row['impl']:<13} N={row['tokens']} H={row['hidden']} V={row['vocab']} "
+                  f"{row['dtype']}: {what}", file=sys.stderr, flush=True)  # fmt: skip
+
+    if args.dynamic:
+        top = args.tokens[-1]
+        lengths = sorted({max(16, round(top * f)) for f in (0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)})
+        if args.impl is None:
+            impls = ["inductor", "tile_pass"]
+        rows = run_dynamic(
+            impls, lengths, hidden=args.hidden[0], vocab=args.vocab[0], dtype=dtypes[0],
+            device=args.device, timeout=args.timeout, warm_cache=args.warm_cache,
+        )  # fmt: skip
+        result["dynamic"] = rows
+        print(format_dynamic(rows))
+    else:
+        if args.quick:
+            shapes = QUICK
+        elif args.full:
+            shapes = FULL
+        else:
+            shapes = list(itertools.product(args.tokens, args.hidden, args.vocab, dtypes))
+        tiles: list[int | None] = [None]
+        if args.sweep_tile:
+            if args.impl is None:
+                impls = ["inductor", "tile_pass"]
+            sweep = args.tiles or [t for t in SWEEP_TILES if t <= max(s[0] for s in shapes)]
+            tiles += sweep
+        rows = run_benchmark(
+            shapes, impls, device=args.device, repeats=args.repeats, check=not args.no_check,
+            floor=not args.no_floor, tile_tokens=tiles, timeout=args.timeout,
+            warm_cache=args.warm_cache, progress=progress,
+        )  # fmt: skip
+        result["rows"] = rows
+        print(format_table(rows, markdown=args.markdown))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=1, default=str)
+
+
+def _child_main() -> None:
+    fields = {f.name for f in dataclasses.fields(BenchConfig)}
+    raw = json.loads(sys.argv[2])
+    print(json.dumps(run_child(BenchConfig(**{k: v for k, v in raw.items() if k in fields}))))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        _child_main()
+    else:
+        main()
