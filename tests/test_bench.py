@@ -1,0 +1,81 @@
+"""The benchmark machinery on a tiny shape: every row measured, exact, and tabulated."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tile_pass import bench
+
+SHAPE = (256, 64, 1000, "float32")
+IMPLS = ("eager", "inductor", "tile_pass")
+MEASURED = ("median_s", "peak_mib", "compile_s", "recompiles", "err_loss", "err_dh", "err_dw")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return bench.run_benchmark([SHAPE], IMPLS, repeats=1, warm_cache=True, timeout=300)
+
+
+def test_one_row_per_implementation_plus_the_gemm_floor(rows):
+    assert [r["impl"] for r in rows] == [bench.FLOOR, *IMPLS]
+    for row in rows:
+        assert "error" not in row, row
+        assert (row["tokens"], row["hidden"], row["vocab"], row["dtype"]) == SHAPE
+        assert row["median_s"] > 0 and row["time_x_floor"] > 0
+    for row in rows[1:]:
+        missing = [k for k in MEASURED if row.get(k) is None]
+        assert not missing, (row["impl"], missing)
+        assert row["recompiles"] == 0 and row["steady_new_graphs"] == 0
+        assert row["peak_mib"] >= 0
+
+
+def test_ratios_are_against_inductor_of_the_same_shape(rows):
+    by_impl = {r["impl"]: r for r in rows}
+    assert by_impl["inductor"]["time_x_inductor"] == 1.0
+    tiled = by_impl["tile_pass"]
+    assert tiled["time_x_inductor"] == pytest.approx(tiled["median_s"] / by_impl["inductor"]["median_s"])
+    assert tiled["compile_x_inductor"] == pytest.approx(tiled["compile_s"] / by_impl["inductor"]["compile_s"])
+
+
+def test_tile_pass_rewrote_and_matches_float64(rows):
+    tiled = next(r for r in rows if r["impl"] == "tile_pass")
+    assert tiled["fired"] and tiled["tile_tokens"] >= 16, tiled["note"]
+    for key in ("err_loss", "err_dh", "err_dw"):
+        assert tiled[key] < 2e-5, (key, tiled[key])
+    eager = next(r for r in rows if r["impl"] == "eager")
+    assert tiled["loss"] == pytest.approx(eager["loss"], rel=1e-5)
+
+
+def test_table_has_every_row_and_column(rows):
+    table = bench.format_table(rows).splitlines()
+    assert len(table) == 1 + len(rows)
+    for _, title, _ in bench.COLUMNS:
+        assert title in table[0]
+    assert table[-1].startswith("tile_pass") and "tile=" in table[-1]
+    markdown = bench.format_table(rows, markdown=True).splitlines()
+    assert len(markdown) == 2 + len(rows) and markdown[0].startswith("| impl")
+    json.dumps(rows)  # what --json writes
+
+
+def test_error_metric_catches_a_wrong_gradient():
+    """The exactness columns would flag an implementation that gets the gradient wrong."""
+    torch.manual_seed(0)
+    h, w = torch.randn(64, 8, requires_grad=True), torch.randn(100, 8, requires_grad=True)
+    y = torch.randint(0, 100, (64,))
+    y[::5] = bench.IGNORE_INDEX
+    F.cross_entropy(F.linear(h, w), y).backward()
+    loss, ref_h, ref_w = bench.float64_reference(h, w, y, chunk_bytes=8 * 100 * 2 * 10)  # 10-row chunks
+    assert bench.relative_error(h.grad, ref_h) < 1e-5
+    assert bench.relative_error(w.grad, ref_w) < 1e-5
+    assert bench.relative_error(h.grad * 1.01, ref_h) > 5e-3
+    assert bench.relative_error(w.grad / 32, ref_w) > 0.5  # a mean over 32 tiles of tile means
+
+
+def test_failed_child_becomes_an_error_row():
+    row = bench.measure_fresh(bench.BenchConfig(impl="no_such_impl", tokens=16, hidden=4, vocab=8))
+    assert "unknown implementation" in row["error"]
+    assert "ERROR" in bench.format_table([row])
