@@ -95,14 +95,26 @@ class Backend:
             drop_logits=self.drop_logits,
             keep_reports=1024,
         )
+        breaks_before = collections.Counter(torch._dynamo.utils.counters["graph_break"])
         torch.compile(fn, backend=recorder)(*args, **kwargs)
-        return recorder.report()
+        report = recorder.report()
+        new_breaks = torch._dynamo.utils.counters["graph_break"] - breaks_before
+        report.graph_breaks = [_summarise_break(reason) for reason in new_breaks]
+        return report
 
     def __repr__(self) -> str:
         return (
             f"tile_pass.backend(inner={self.inner!r}, tile_tokens={self.tile_tokens}, "
             f"tile_bytes={self.tile_bytes}, drop_logits={self.drop_logits})"
         )
+
+
+def _summarise_break(reason: str) -> str:
+    """The first line of Dynamo's reason, and the call it refers to when it names one."""
+    lines = [line.strip() for line in reason.splitlines() if line.strip()]
+    summary = lines[0] if lines else reason
+    context = next((line for line in lines if line.startswith("Developer debug context")), "")
+    return f"{summary} ({context.removeprefix('Developer debug context: ')[:300]})" if context else summary
 
 
 def backend(

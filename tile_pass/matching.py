@@ -457,7 +457,7 @@ def match_region(loss: torch.fx.Node) -> Region:
     path = [node, *chain]
     returned = None
     returned_same_shape = False
-    for position, (producer, consumer) in enumerate(zip(path, [*chain, loss], strict=True)):
+    for position, (producer, consumer) in enumerate(zip(path, [*chain, *(erase or [loss])], strict=True)):
         others = [u for u in producer.users if u is not consumer]
         if others and all(u.op == "output" for u in others) and returned is None:
             returned, returned_same_shape = producer, row_wise_only[position]

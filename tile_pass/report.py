@@ -88,6 +88,7 @@ class Report:
     """Every decision the pass made while a function was compiled."""
 
     graphs: list[GraphReport] = field(default_factory=list)
+    graph_breaks: list[str] = field(default_factory=list)  # Dynamo's reasons, while compiling
 
     @property
     def rewrites(self) -> list[Rewrite]:
@@ -102,6 +103,7 @@ class Report:
             "graphs": len(self.graphs),
             "rewrites": [dataclasses.asdict(r) for r in self.rewrites],
             "skipped": [dataclasses.asdict(s) for s in self.skipped],
+            "graph_breaks": list(self.graph_breaks),
         }
 
     def to_json(self) -> str:
@@ -116,7 +118,23 @@ class Report:
         lines += [str(s) for s in self.skipped]
         if not self.rewrites and not self.skipped:
             lines.append("no linear + cross_entropy candidate was found in the compiled graphs")
+        for reason in self.graph_breaks:
+            lines.append(f"graph break: {reason}")
+            hint = _graph_break_hint(reason)
+            if hint:
+                lines.append(f"    fix: {hint}")
         return "\n".join(lines)
+
+
+def _graph_break_hint(reason: str) -> str:
+    if "loss_type=" in reason:
+        return (
+            'transformers logs from its loss_function property; set model.loss_type = "ForCausalLM" '
+            "before compiling so the head and the loss are traced in one graph"
+        )
+    if "logging.Logger" in reason:
+        return "add that logging method to torch._dynamo.config.ignore_logging_functions"
+    return ""
 
 
 def _fmt_bytes(n: int | str) -> str:
