@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +11,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 import tile_pass
-from tile_pass._measure import StepConfig, measure
+from tile_pass._measure import StepConfig, measure, run_fresh
 
 N, H, V = 256, 8, 1000
 
@@ -102,3 +104,40 @@ def test_measured_peak_memory_drops_by_the_logits():
     assert abs(plain["loss"] - tiled["loss"]) < 1e-4 * abs(plain["loss"])
     assert plain["peak_above_inputs_mib"] > 2 * plain["logits_mib"]
     assert tiled["peak_above_inputs_mib"] < plain["logits_mib"] / 3, (plain, tiled)
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _finetune_child(mode, inner, vocab, tokens):
+    script = str(EXAMPLES / "finetune_tiny_lm.py")
+    argv = [script, "--child", mode, "--inner", inner, "--vocab", str(vocab), "--tokens", str(tokens)]
+    return run_fresh([*argv, "--steps", "1"])
+
+
+def _check_causal_lm_step(inner, vocab, tokens):
+    pytest.importorskip("transformers")
+    plain = _finetune_child("torch.compile", inner, vocab, tokens)
+    exact = _finetune_child("tile_pass", inner, vocab, tokens)
+    dropped = _finetune_child("tile_pass drop_logits", inner, vocab, tokens)
+    logits_mib = tokens * vocab * 4 / 2**20
+    for result in (exact, dropped):
+        assert result["rewrites"] == 1
+        for a, b in zip(result["losses"], plain["losses"], strict=True):
+            assert abs(a - b) < 1e-4 * abs(b)
+    # the returned model-dtype logits stay; their upcast, softmax and gradient do not
+    assert exact["peak_mib"] < plain["peak_mib"] - logits_mib, (plain, exact)
+    # dropping the returned logits saves them too
+    assert dropped["peak_mib"] < exact["peak_mib"] - 0.75 * logits_mib, (exact, dropped)
+    return plain, exact, dropped
+
+
+def test_causal_lm_training_step_memory():
+    """A real HF Llama step (V=32000, 2048 tokens, logits 250 MiB), each side in a fresh process."""
+    _check_causal_lm_step("aot_eager", 32000, 2048)
+
+
+@pytest.mark.slow
+def test_causal_lm_training_step_memory_inductor_large_vocab():
+    """The issue's shape: V=65536, 4096 tokens (fp32 logits 1 GiB), inner compiler inductor."""
+    _check_causal_lm_step("inductor", 65536, 4096)
