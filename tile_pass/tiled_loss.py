@@ -283,6 +283,19 @@ def _tokens_vjp(ctx, grad_tokens):
 _linear_ce_tokens.register_autograd(_tokens_vjp, setup_context=_tokens_setup_context)
 
 
+def _flatten_tokens(hidden: torch.Tensor) -> torch.Tensor:
+    """``[..., H] -> [N, H]``; unlike ``reshape(-1, H)`` also for ``H == 0``."""
+    return hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (e.g. meta)
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
+
+
 def tiled_region_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -300,8 +313,10 @@ def tiled_region_loss(
 
     ``head_spec`` is the JSON list of :class:`~tile_pass._tile_kernel.LossHead` ops.
     """
-    hidden = hidden.reshape(-1, hidden.shape[-1])
+    hidden = _flatten_tokens(hidden)
     target = target.reshape(-1)
+    if target.dtype == torch.uint8:  # eager accepts Byte class indices; the tile's gather does not
+        target = target.long()
     extras = [e.reshape(()) if e.numel() == 1 else e.reshape(-1) for e in extras]
     for e in extras:
         if e.requires_grad and torch.is_grad_enabled():
@@ -353,6 +368,8 @@ def linear_cross_entropy(
 
     Works in eager code and inside ``torch.compile`` (no graph break, no host sync).
     """
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be int, not {type(ignore_index).__name__}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -372,15 +389,19 @@ def linear_cross_entropy(
             f"target must hold integer class indices, got dtype {target.dtype}; "
             "class-probability targets are not supported by the tiled loss"
         )
-    hidden = hidden.reshape(-1, hidden_size)
+    if target.dim() > 1 and tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"target must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])} (one class index per "
+            f"token) or be 1-D, got {tuple(target.shape)}"
+        )
+    hidden = _flatten_tokens(hidden)
     target = target.reshape(-1)
     if target.shape[0] != hidden.shape[0]:
         raise ValueError(
             f"Expected input batch_size ({hidden.shape[0]}) to match target batch_size ({target.shape[0]})"
         )
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):  # autocast's rule for F.linear
-        dtype = torch.get_autocast_dtype(device_type)
+    dtype = _autocast_dtype(hidden.device.type)
+    if dtype is not None:  # autocast's rule for F.linear
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     if not (hidden.dtype == weight.dtype and (bias is None or bias.dtype == hidden.dtype)):
