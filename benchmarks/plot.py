@@ -30,7 +30,7 @@ STYLE = {
     "cce_kernel": ("tab:brown", "X"),
     "liger": ("tab:pink", "*"),
     "tile_pass": ("tab:green", "^"),
-    "gemm_floor": ("black", ""),
+    "gemm_floor": ("black", "x"),
 }
 
 
