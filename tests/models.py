@@ -74,3 +74,10 @@ class TinyLM(nn.Module):
         hidden = self.block(self.embed(tokens))
         logits = self.lm_head(hidden).float()
         return self.loss_fn(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+def cli_example():
+    """For ``python -m tile_pass explain tests/models.py:cli_example``: returns (fn, args)."""
+    g = torch.Generator().manual_seed(0)
+    return f_linear_view_float, (torch.randn(2, 5, H, generator=g), torch.randn(V, H, generator=g),
+                                 torch.randint(0, V, (2, 5), generator=g))  # fmt: skip

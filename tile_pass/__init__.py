@@ -7,8 +7,10 @@ loss whose backward is derived, so the ``[tokens, vocab]`` logits never exist wh
 
 from tile_pass import _logging  # noqa: F401  (registers TORCH_LOGS="tile_pass")
 from tile_pass.backend import Backend, backend, default_backend, explain, tile_pass_backend
+from tile_pass.decorator import TiledLossNotApplied, tiled_loss
 from tile_pass.report import GraphReport, Report, Rewrite, Skip
 from tile_pass.tiled_loss import linear_cross_entropy
+from tile_pass.validation import ValidationError, ValidationResult, validate
 
 __all__ = [
     "Backend",
@@ -16,10 +18,15 @@ __all__ = [
     "Report",
     "Rewrite",
     "Skip",
+    "TiledLossNotApplied",
+    "ValidationError",
+    "ValidationResult",
     "backend",
     "default_backend",
     "explain",
     "linear_cross_entropy",
     "tile_pass_backend",
+    "tiled_loss",
+    "validate",
 ]
 __version__ = "0.1.0"

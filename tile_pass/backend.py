@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import collections
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
+from tile_pass import _dump
 from tile_pass._logging import log
 from tile_pass._returned_logits import rebuild_outputs
 from tile_pass.matching import rewrite_graph
 from tile_pass.report import GraphReport, Report
+from tile_pass.validation import validating_call
 
 CompilerFn = Callable[[torch.fx.GraphModule, Sequence[Any]], Callable]
 _INNER_NAMES = ("inductor", "aot_eager", "eager")
@@ -43,6 +46,8 @@ class Backend:
         tile_tokens: int | None = None,
         tile_bytes: int | None = None,
         drop_logits: bool = False,
+        dump_dir: str | None = None,
+        validate: bool = False,
         keep_reports: int = 64,
     ):
         if tile_tokens is not None and tile_tokens < 1:
@@ -53,11 +58,18 @@ class Backend:
         self.tile_tokens = tile_tokens
         self.tile_bytes = tile_bytes
         self.drop_logits = drop_logits
+        self.dump_dir = dump_dir
+        self.validate = validate
         self._inner = _resolve_inner(inner)
         self._graphs_seen = 0
         self.reports: collections.deque[GraphReport] = collections.deque(maxlen=keep_reports)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        dump_dir = self.dump_dir or _dump.dump_dir_from_env()
+        before = _dump.readable(gm) if dump_dir or _dump.structured_tracing_enabled() else None
+        if dump_dir:
+            _dump.draw_before(gm, dump_dir, self._graphs_seen)
+        original = copy.deepcopy(gm) if self.validate else None
         result = rewrite_graph(
             gm,
             graph_index=self._graphs_seen,
@@ -74,10 +86,16 @@ class Backend:
             log.info("%s", skip)
         if report.rewrites:
             log.debug("rewritten graph %d:\n%s", report.index, gm.code)
+        _dump.emit(gm, before, report, dump_dir)
         compiled = self._inner(gm, example_inputs)
-        if not result.returned_logits:
-            return compiled
-        return _with_rebuilt_outputs(compiled, result.num_outputs, result.returned_logits)
+        if result.returned_logits:
+            compiled = _with_rebuilt_outputs(compiled, result.num_outputs, result.returned_logits)
+        if original is not None and report.rewrites:
+            num_outputs = result.num_outputs or len(
+                next(n for n in gm.graph.nodes if n.op == "output").args[0]
+            )
+            compiled = validating_call(original, compiled, num_outputs)
+        return compiled
 
     def report(self) -> Report:
         """The decisions on every graph this backend compiled (up to ``keep_reports``)."""
@@ -93,6 +111,7 @@ class Backend:
             tile_tokens=self.tile_tokens,
             tile_bytes=self.tile_bytes,
             drop_logits=self.drop_logits,
+            dump_dir=self.dump_dir,
             keep_reports=1024,
         )
         breaks_before = collections.Counter(torch._dynamo.utils.counters["graph_break"])
@@ -105,7 +124,8 @@ class Backend:
     def __repr__(self) -> str:
         return (
             f"tile_pass.backend(inner={self.inner!r}, tile_tokens={self.tile_tokens}, "
-            f"tile_bytes={self.tile_bytes}, drop_logits={self.drop_logits})"
+            f"tile_bytes={self.tile_bytes}, drop_logits={self.drop_logits}, dump_dir={self.dump_dir!r}, "
+            f"validate={self.validate})"
         )
 
 
@@ -123,6 +143,8 @@ def backend(
     tile_tokens: int | None = None,
     tile_bytes: int | None = None,
     drop_logits: bool = False,
+    dump_dir: str | None = None,
+    validate: bool = False,
 ) -> Backend:
     """A configured backend: ``torch.compile(model, backend=tile_pass.backend(...))``.
 
@@ -134,8 +156,20 @@ def backend(
     no upcast, no saved softmax, a gradient only if used). ``drop_logits=True`` opts out of
     them entirely, as Liger and CCE do: they are never computed and a zero-byte NaN
     placeholder of the right shape is returned instead.
+
+    ``dump_dir`` (or the ``TILE_PASS_DUMP_DIR`` environment variable) receives each graph
+    before and after the rewrite as readable Python and, where graphviz is installed, SVG.
+    ``validate=True`` checks each rewritten graph on its first call against the original
+    graph run eagerly in float64 (outputs and gradients) and raises on disagreement.
     """
-    return Backend(inner, tile_tokens=tile_tokens, tile_bytes=tile_bytes, drop_logits=drop_logits)
+    return Backend(
+        inner,
+        tile_tokens=tile_tokens,
+        tile_bytes=tile_bytes,
+        drop_logits=drop_logits,
+        dump_dir=dump_dir,
+        validate=validate,
+    )
 
 
 def _with_rebuilt_outputs(compiled: Callable, num_outputs: int, records) -> Callable:

@@ -1,0 +1,256 @@
+"""Seeing and trusting the rewrite: reports, dumps, logging, decorator, validation, CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import models
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from models import V
+
+import tile_pass
+from tile_pass.tiled_loss import _linear_ce_reduced, _reduced_setup_context, _reduced_vjp
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(2, 9, models.H, generator=g, requires_grad=True)
+    w = torch.randn(V, models.H, generator=g, requires_grad=True)
+    y = torch.randint(0, V, (2, 9), generator=g)
+    y[0, :4] = -100
+    return h, w, y
+
+
+class TwoHeads(nn.Module):
+    """A model with two LM heads (e.g. main + auxiliary next-next-token head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(V, models.H)
+        self.head_a = nn.Linear(models.H, V, bias=False)
+        self.head_b = nn.Linear(models.H, V)
+
+    def forward(self, tokens, labels):
+        x = self.embed(tokens)
+        loss_a = F.cross_entropy(self.head_a(x).view(-1, V), labels.view(-1))
+        loss_b = F.cross_entropy(self.head_b(x).float().view(-1, V), labels.roll(1, 1).view(-1))
+        return loss_a + 0.5 * loss_b
+
+
+def test_two_heads_two_rewrites_and_json():
+    model = TwoHeads()
+    tokens = torch.randint(0, V, (2, 9))
+    report = tile_pass.explain(model, tokens, _inputs()[2])
+    assert len(report.rewrites) == 2, str(report)
+    assert {"F.linear", "F.linear(+bias)"} == {r.form.split(" -> ")[0] for r in report.rewrites}
+    data = json.loads(report.to_json())
+    assert len(data["rewrites"]) == 2 and data["graphs"] == 1
+    assert all("test_inspection.py" in r["matmul_source"] for r in data["rewrites"])
+
+
+def test_dump_dir_has_before_and_after_code(tmp_path):
+    backend = tile_pass.backend("aot_eager", dump_dir=str(tmp_path))
+    torch.compile(models.f_linear_view_float, backend=backend)(*_inputs())
+    before = (tmp_path / "graph_0_before.py").read_text()
+    after = (tmp_path / "graph_0_after.py").read_text()
+    assert "torch._C._nn.linear" in before and "cross_entropy" in before
+    assert "tiled_region_loss" in after and "torch._C._nn.linear" not in after
+    assert "# File:" in after and "models.py" in after  # the user's source line beside each node
+    report = json.loads((tmp_path / "graph_0_report.json").read_text())
+    assert len(report["rewrites"]) == 1
+
+
+def test_dump_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILE_PASS_DUMP_DIR", str(tmp_path))
+    torch.compile(models.f_linear_view_float, backend=tile_pass.backend("eager"))(*_inputs())
+    assert (tmp_path / "graph_0_after.py").exists()
+
+
+def test_structured_trace_artifacts():
+    """tlparse reads trace_structured records: the pass emits before/after and its decisions."""
+    from torch._logging._internal import trace_log
+
+    records = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Collect()
+    trace_log.addHandler(handler)
+    old_level = trace_log.level
+    trace_log.setLevel(logging.DEBUG)
+    try:
+        torch.compile(models.f_linear_view_float, backend=tile_pass.backend("eager"))(*_inputs())
+    finally:
+        trace_log.removeHandler(handler)
+        trace_log.setLevel(old_level)
+    names = [getattr(r, "metadata", {}).get("artifact", {}).get("name") for r in records]
+    assert {"tile_pass_graph_before", "tile_pass_graph_after", "tile_pass_decisions"} <= set(names)
+
+
+def test_torch_logs_prints_decisions():
+    code = (
+        "import torch, tile_pass, torch.nn.functional as F\n"
+        "def f(h, w, y):\n"
+        "    return F.cross_entropy(F.linear(h, w), y)\n"
+        "torch.compile(f, backend=tile_pass.backend('eager'))("
+        "torch.randn(4, 3), torch.randn(5, 3), torch.randint(0, 5, (4,)))\n"
+    )
+    env = {**__import__("os").environ, "TORCH_LOGS": "+tile_pass"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "REWRITTEN F.linear -> cross_entropy" in proc.stderr
+    assert "rewritten graph 0" in proc.stderr  # debug level: the graph itself
+
+
+# ----------------------------------------------------------------------------- decorator
+
+
+def test_decorator_on_function_bare_and_with_options():
+    @tile_pass.tiled_loss(inner="aot_eager", tile_tokens=4)
+    def loss_fn(h, w, y):
+        return F.cross_entropy(F.linear(h, w).view(-1, V), y.view(-1))
+
+    @tile_pass.tiled_loss
+    def bare(h, w, y):
+        return F.cross_entropy(F.linear(h, w).view(-1, V), y.view(-1))
+
+    h, w, y = _inputs()
+    ref = F.cross_entropy(F.linear(h, w).view(-1, V), y.view(-1))
+    torch.testing.assert_close(loss_fn(h, w, y), ref)
+    assert loss_fn.tile_pass_backend.report().rewrites[0].tile_tokens == 4
+    assert callable(bare) and bare.tile_pass_backend.inner == "inductor"
+
+
+def test_decorator_on_module_forward():
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(models.H, V)
+
+        @tile_pass.tiled_loss(inner="aot_eager", tile_tokens=4)
+        def forward(self, h, y):
+            return F.cross_entropy(self.proj(h).view(-1, V), y.view(-1))
+
+    head = Head()
+    h, _, y = _inputs()
+    loss = head(h, y)
+    loss.backward()
+    ref_w = head.proj.weight.grad.clone()
+    head.zero_grad()
+    F.cross_entropy(head.proj(h).view(-1, V), y.view(-1)).backward()
+    torch.testing.assert_close(ref_w, head.proj.weight.grad)
+
+
+def test_decorator_raises_when_nothing_can_be_tiled():
+    @tile_pass.tiled_loss(inner="eager")
+    def uses_argmax(h, w, y):
+        logits = F.linear(h, w).view(-1, V)
+        return F.cross_entropy(logits, y.view(-1)) + logits.argmax(-1).float().mean() * 0
+
+    with pytest.raises(tile_pass.TiledLossNotApplied, match=r"also consumed by `\.argmax\(\)`"):
+        uses_argmax(*_inputs())
+
+    @tile_pass.tiled_loss(inner="eager")
+    def no_loss(h, w, y):
+        return (h * 2).sum()
+
+    with pytest.raises(tile_pass.TiledLossNotApplied, match="no F.linear/matmul followed by cross_entropy"):
+        no_loss(*_inputs())
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+@pytest.fixture
+def wrong_weight_gradient():
+    """Test-only fault injection: the seed bug of this field (weight gradient 1.375x off)."""
+
+    def faulty_vjp(ctx, *grads):
+        out = list(_reduced_vjp(ctx, *grads))
+        if out[1] is not None:
+            out[1] = out[1] * 1.375
+        return tuple(out)
+
+    _linear_ce_reduced.register_autograd(faulty_vjp, setup_context=_reduced_setup_context)
+    yield
+    _linear_ce_reduced.register_autograd(_reduced_vjp, setup_context=_reduced_setup_context)
+
+
+def test_validate_passes_on_a_correct_rewrite():
+    model = models.TinyLM()
+    result = tile_pass.validate(model, torch.randint(0, V, (2, 9)), _inputs()[2])
+    assert result.ok and len(result.rows) == 1 + len(list(model.parameters()))
+    assert "lm_head.weight" in str(result)
+
+
+def test_validate_catches_an_injected_wrong_gradient(wrong_weight_gradient):
+    model = models.TinyLM()
+    with pytest.raises(tile_pass.ValidationError, match=r"grad lm_head\.weight .* NO"):
+        tile_pass.validate(model, torch.randint(0, V, (2, 9)), _inputs()[2])
+
+
+def test_backend_validate_true(wrong_weight_gradient):
+    h, w, y = _inputs()
+    compiled = torch.compile(
+        models.f_linear_view_float, backend=tile_pass.backend("aot_eager", validate=True)
+    )
+    with pytest.raises(tile_pass.ValidationError, match="grad of graph input"):
+        compiled(h, w, y)
+
+
+def test_backend_validate_true_passes_and_returns_the_result():
+    h, w, y = _inputs()
+    compiled = torch.compile(
+        models.f_linear_view_float, backend=tile_pass.backend("aot_eager", validate=True)
+    )
+    out = compiled(h, w, y)
+    torch.testing.assert_close(out, models.f_linear_view_float(h, w, y))
+    out.backward()
+    assert w.grad is not None
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def test_cli_with_args_spec(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch.nn.functional as F\n"
+        "def head(h, w, y):\n"
+        "    return F.cross_entropy(F.linear(h, w).float().view(-1, w.shape[0]), y.view(-1))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "tile_pass", "explain", f"{script}:head",
+         "--args", "float32[2,8,16] float32[50,16] int64[2,8]<50"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "1 region(s) rewritten" in proc.stdout and "train.py:3 (head)" in proc.stdout
+
+
+def test_cli_with_factory_and_json():
+    target = f"{Path(__file__).parent / 'models.py'}:cli_example"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tile_pass", "explain", target, "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert len(data["rewrites"]) == 1
+
+
+def test_cli_bad_spec_says_what_is_expected():
+    proc = subprocess.run(
+        [sys.executable, "-m", "tile_pass", "explain", "math:sqrt", "--args", "floaty[2]"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "unknown dtype" in proc.stderr
