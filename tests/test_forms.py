@@ -280,3 +280,32 @@ def test_dynamic_shapes_with_returned_logits_compile_once():
         torch.testing.assert_close(logits, ref_logits)
         loss.backward()
     assert len(backend.report().graphs) == 1
+
+
+def returns_logits_and_slices(h, w, y):
+    logits = F.linear(h, w)
+    loss = F.cross_entropy(logits[:, :-1, :].reshape(-1, V), y[:, 1:].reshape(-1))
+    return loss, logits
+
+
+@pytest.mark.parametrize("fn", [returns_logits, returns_logits_and_slices], ids=lambda f: f.__name__)
+def test_returned_logits_values_and_gradients(fn):
+    """Returned logits written by the tiles (no slice) or recomputed in the graph (slice)."""
+    backend = tile_pass.backend("aot_eager", tile_tokens=8)
+    compiled = torch.compile(fn, backend=backend)
+    h, w, y = fp32_inputs()
+
+    def objective(f):
+        def run(a, b, c):
+            loss, logits = f(a, b, c)
+            return loss + (logits * torch.linspace(-1, 1, V)).mean()
+
+        return run
+
+    ref, ref_grads = value_and_grads(objective(fn), leaves(h.double(), w.double(), y))
+    out, grads = value_and_grads(objective(compiled), leaves(h, w, y))
+    assert_close_to_oracle(out, ref, torch.float32, "objective")
+    for g, rg in zip(grads[:2], ref_grads[:2], strict=True):
+        assert_close_to_oracle(g, rg, torch.float32, "grad")
+    handled = backend.report().rewrites[0].returned_logits
+    assert ("written by the tiles" in handled) == (fn is returns_logits)

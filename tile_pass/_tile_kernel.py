@@ -78,11 +78,15 @@ class LossHead:
                 raise ValueError(f"unknown tile op {op!r} in head spec {spec!r}")
         return ops
 
-    def logits(self, hidden, weight, bias, extras):
+    def logits(self, hidden, weight, bias, extras, keep_after: int = -1):
+        """The logits the loss sees; with ``keep_after=k`` also those after the first k ops."""
         x = F.linear(hidden, weight, bias)
-        for op in self.ops:
+        kept = x if keep_after == 0 else None
+        for i, op in enumerate(self.ops, start=1):
             x = _apply_op(x, op, extras)
-        return x
+            if i == keep_after:
+                kept = x
+        return (x, kept) if keep_after >= 0 else x
 
     def token_losses(
         self,
@@ -91,14 +95,18 @@ class LossHead:
         bias: torch.Tensor | None,
         target: torch.Tensor,
         extras: list[torch.Tensor] = (),
-    ) -> torch.Tensor:
-        return F.cross_entropy(
-            self.logits(hidden, weight, bias, list(extras)),
+        keep_after: int = -1,
+    ):
+        """Per-token losses; with ``keep_after=k`` also the logits after the first k ops."""
+        logits, kept = self.logits(hidden, weight, bias, list(extras), keep_after=max(keep_after, 0))
+        losses = F.cross_entropy(
+            logits,
             target,
             ignore_index=self.ignore_index,
             reduction="none",
             label_smoothing=self.label_smoothing,
         )
+        return (losses, kept) if keep_after >= 0 else losses
 
 
 @dataclass(frozen=True)
@@ -117,13 +125,16 @@ class KernelKey:
     need_weight: bool
     need_bias: bool
     acc_dtype: torch.dtype  # token weights and gradient sums: float32, or float64 for float64
+    keep_logits_after: int = -1  # >= 0: also return the logits tile after that many ops
 
 
 class TileKernel:
-    """A traced tile function: ``(h, W, b, y, coef, dW_acc, db_acc) -> (losses, dh)``.
+    """A traced tile function: ``(h, W, b, y, coef, dW_acc, db_acc) -> (losses, dh, logits)``.
 
     ``losses`` are the per-token losses of the tile; ``dh`` is ``d sum(coef * losses) / dh``
-    (or ``None``); the weight and bias gradients are added into ``dW_acc`` / ``db_acc``.
+    (or ``None``); the weight and bias gradients are added into ``dW_acc`` / ``db_acc``;
+    ``logits`` is the tile's logits after ``keep_logits_after`` ops (or ``None``), for a
+    graph that also returns them.
     """
 
     def __init__(self, key: KernelKey, graph_module: torch.fx.GraphModule):
@@ -139,8 +150,11 @@ class TileKernel:
             args.append(weight_acc)
         if self.key.need_bias:
             args.append(bias_acc)
-        out = self.graph_module(*args)
-        return out[0], (out[1] if self.key.need_hidden else None)
+        out = list(self.graph_module(*args))
+        losses = out.pop(0)
+        grad_hidden = out.pop(0) if self.key.need_hidden else None
+        kept = out.pop(0) if self.key.keep_logits_after >= 0 else None
+        return losses, grad_hidden, kept
 
 
 def _joint_function(key: KernelKey):
@@ -167,7 +181,8 @@ def _joint_function(key: KernelKey):
             if key.need_bias:
                 bias = bias.detach().requires_grad_()
                 wanted.append(bias)
-            losses = key.head.token_losses(hidden, weight, bias, target, extras)
+            losses = key.head.token_losses(hidden, weight, bias, target, extras, key.keep_logits_after)
+            losses, kept = losses if key.keep_logits_after >= 0 else (losses, None)
             grads = torch.autograd.grad((losses * coef).sum(), wanted) if wanted else ()
         grads = list(grads)
         grad_hidden = grads.pop(0) if key.need_hidden else None
@@ -178,6 +193,8 @@ def _joint_function(key: KernelKey):
         outputs = [losses.detach()]
         if grad_hidden is not None:
             outputs.append(grad_hidden)
+        if kept is not None:
+            outputs.append(kept.detach())
         return tuple(outputs)
 
     return joint

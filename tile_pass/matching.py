@@ -76,6 +76,7 @@ class Region:
     returned_same_shape: bool  # ... reached from the projection by row-wise ops only
     transpose: torch.fx.Node | None
     num_tokens: int | torch.SymInt
+    returned_ops: int  # how many of ``ops`` come before the returned node
     ignore_index: int
     reduction: str
     label_smoothing: float
@@ -414,6 +415,7 @@ def match_region(loss: torch.fx.Node) -> Region:
     steps = [head_form]
     regrouped = False  # a view has mixed leading dims: later slices cannot move to the hidden
     row_wise_only = [True]  # per chain position: reached from the projection by row-wise ops only
+    ops_before = [0]  # per chain position: LossHead ops emitted up to and including it
     previous = node
     for current in chain:
         value = _val(current)
@@ -444,6 +446,7 @@ def match_region(loss: torch.fx.Node) -> Region:
                 f"the loss input comes from {_describe(current)}, which the tiled loss does not replay"
             )
         row_wise_only.append(row_wise_only[-1] and not slices and not regrouped)
+        ops_before.append(len(ops))
         previous = current
     ops += tail_ops
     steps.append(
@@ -457,10 +460,12 @@ def match_region(loss: torch.fx.Node) -> Region:
     path = [node, *chain]
     returned = None
     returned_same_shape = False
+    returned_ops = 0
     for position, (producer, consumer) in enumerate(zip(path, [*chain, *(erase or [loss])], strict=True)):
         others = [u for u in producer.users if u is not consumer]
         if others and all(u.op == "output" for u in others) and returned is None:
             returned, returned_same_shape = producer, row_wise_only[position]
+            returned_ops = ops_before[position]
             continue
         if others:
             raise _NoMatch(
@@ -484,6 +489,7 @@ def match_region(loss: torch.fx.Node) -> Region:
         returned_same_shape=returned_same_shape,
         transpose=transpose,
         num_tokens=logits_val.shape[0],
+        returned_ops=returned_ops,
         ignore_index=options["ignore_index"],
         reduction=options["reduction"],
         label_smoothing=float(options["label_smoothing"]),
@@ -518,9 +524,24 @@ def _prefix_inputs(region: Region) -> list[torch.fx.Node]:
     return inputs
 
 
+def _unflatten_tokens(logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``[N, V] -> [*hidden.shape[:-1], V]``: the shape the projection gave the logits."""
+    return logits.view(*hidden.shape[:-1], logits.shape[-1])
+
+
 def _rewrite(graph: torch.fx.Graph, region: Region, tile_tokens: int, drop_logits: bool, result) -> str:
     """Apply one rewrite; return how a returned logits output was handled."""
     loss = region.loss
+    returned = region.returned
+    drop = returned is not None and drop_logits and region.returned_same_shape
+    # the tiles also write the returned logits: one GEMM for both (mean/sum, same shape)
+    from_tiles = (
+        returned is not None
+        and not drop
+        and region.returned_same_shape
+        and not region.slices  # the tiles cover the loss's rows, which must be all of them
+        and region.reduction != "none"
+    )
     with graph.inserting_before(loss):
         hidden = region.hidden
         for index in region.slices:
@@ -534,41 +555,51 @@ def _rewrite(graph: torch.fx.Graph, region: Region, tile_tokens: int, drop_logit
                 "reduction": region.reduction,
                 "label_smoothing": region.label_smoothing,
                 "tile_tokens": tile_tokens,
+                "keep_logits_after": region.returned_ops if from_tiles else -1,
             },
         )
-    tiled.meta.update(loss.meta)
-    loss.replace_all_uses_with(tiled)
+        new_loss, tiled_logits = tiled, None
+        if from_tiles:
+            new_loss = graph.call_function(operator.getitem, (tiled, 0))
+            flat = graph.call_function(operator.getitem, (tiled, 1))
+            tiled_logits = graph.call_function(_unflatten_tokens, (flat, region.hidden))
+            tiled_logits.meta.update(returned.meta)
+    new_loss.meta.update(loss.meta)
+    loss.replace_all_uses_with(new_loss)
     graph.erase_node(loss)
     for node in region.erase:
         graph.erase_node(node)
 
     handled = "not returned"
-    if region.returned is not None:
+    if returned is not None:
         output = next(n for n in graph.nodes if n.op == "output")
         outputs = list(output.args[0])
         if result.num_outputs == 0:
             result.num_outputs = len(outputs)
-        position = outputs.index(region.returned)
+        position = outputs.index(returned)
         extra_base = len(outputs) - result.num_outputs
-        if drop_logits and region.returned_same_shape:
+        if drop:
             outputs[position] = None
             record = ReturnedLogits(
-                position, [extra_base], None, _val(region.weight).shape[0], _val(region.returned).dtype
+                position, [extra_base], None, _val(region.weight).shape[0], _val(returned).dtype
             )
             outputs.append(region.hidden)
             handled = "dropped (drop_logits=True): a zero-byte NaN placeholder is returned"
         else:
-            with graph.inserting_after(region.returned):
-                detached = graph.call_method("detach", (region.returned,))
-            detached.meta.update(region.returned.meta)
-            outputs[position] = detached
+            if tiled_logits is None:
+                with graph.inserting_after(returned):
+                    tiled_logits = graph.call_method("detach", (returned,))
+                tiled_logits.meta.update(returned.meta)
+            outputs[position] = tiled_logits
             inputs = _prefix_inputs(region)
             record = ReturnedLogits(
                 position, list(range(extra_base, extra_base + len(inputs))), _prefix_module(region, inputs)
             )
             outputs += inputs
             handled = (
-                "returned exactly: kept in the model dtype, no float32 upcast, no saved softmax, "
+                "returned exactly"
+                + (", written by the tiles (no extra GEMM)" if from_tiles else "")
+                + ": kept in the model dtype, no float32 upcast, no saved softmax, "
                 "and its gradient is computed only if the caller uses it"
             )
         result.returned_logits.append(record)

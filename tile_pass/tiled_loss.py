@@ -21,6 +21,7 @@ The count of valid tokens is a tensor, so nothing in here synchronises with the 
 from __future__ import annotations
 
 import functools
+import json
 
 import torch
 
@@ -61,6 +62,8 @@ def _run_tiles(
     need_weight: bool,
     need_bias: bool,
     token_losses_out: torch.Tensor | None = None,
+    logits_out: torch.Tensor | None = None,
+    keep_logits_after: int = -1,
 ):
     """Run every tile; return (loss sum, grad hidden, grad weight, grad bias).
 
@@ -85,6 +88,7 @@ def _run_tiles(
             need_weight=need_weight,
             need_bias=need_bias,
             acc_dtype=coef.dtype,
+            keep_logits_after=keep_logits_after,
         )
     )
     acc = coef.dtype
@@ -101,7 +105,9 @@ def _run_tiles(
             h_t = torch.cat([h_t, h_t.new_zeros(tile - rows, hidden_size)])
             y_t = torch.cat([y_t, y_t.new_full((tile - rows,), head.ignore_index)])
             c_t = torch.cat([c_t, c_t.new_zeros(tile - rows)])
-        losses, grad_h_t = kernel(h_t, weight, bias, y_t, extras, c_t, weight_acc, bias_acc)
+        losses, grad_h_t, logits_t = kernel(h_t, weight, bias, y_t, extras, c_t, weight_acc, bias_acc)
+        if logits_t is not None:
+            logits_out[start:stop] = logits_t[:rows]
         total += losses.sum(dtype=acc)
         if token_losses_out is not None:
             token_losses_out[start:stop] = losses[:rows]
@@ -157,8 +163,10 @@ def _linear_ce_reduced(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    keep_logits_after: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing)
+    logits_out = _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after)
     valid = target != ignore_index
     count = valid.sum()
     coef = valid.to(_acc_dtype(hidden))
@@ -167,33 +175,45 @@ def _linear_ce_reduced(
         coef = coef / count.clamp_min(1)
     total, *grads = _run_tiles(
         hidden, weight, bias, target, extras, coef, head, tile_tokens,
-        need_hidden, need_weight, need_bias,
+        need_hidden, need_weight, need_bias, None, logits_out, keep_logits_after,
     )  # fmt: skip
     loss = total / count if mean else total
-    return (loss.to(_loss_dtype(hidden, head_spec, extras)), *_grads_or_empty(hidden, weight, bias, *grads))
+    loss = loss.to(_loss_dtype(hidden, head_spec, extras))
+    return (loss, *_grads_or_empty(hidden, weight, bias, *grads), logits_out)
 
 
 @_linear_ce_reduced.register_fake
 def _(hidden, weight, bias, target, extras, head_spec, ignore_index, label_smoothing, mean,
-      tile_tokens, need_hidden, need_weight, need_bias):  # fmt: skip
+      tile_tokens, need_hidden, need_weight, need_bias, keep_logits_after):  # fmt: skip
     loss = hidden.new_empty((), dtype=_loss_dtype(hidden, head_spec, extras))
-    return (loss, *_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias))
+    logits = _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after)
+    return (loss, *_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias), logits)
+
+
+def _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after: int) -> torch.Tensor:
+    """Where the tiles write the logits a graph also returns (empty when it does not)."""
+    if keep_logits_after < 0:
+        return _empty(hidden)
+    ops = LossHead.parse_ops(head_spec)[:keep_logits_after]
+    dtype = _loss_dtype_cached(json.dumps(ops), hidden.dtype, tuple(e.dtype for e in extras))
+    return hidden.new_empty((hidden.shape[0], weight.shape[0]), dtype=dtype)
 
 
 def _reduced_setup_context(ctx, inputs, output):
     ctx.need = inputs[10:13]
     ctx.num_extras = len(inputs[4])
-    ctx.save_for_backward(*output[1:])
+    ctx.mark_non_differentiable(output[4])  # returned logits: see _returned_logits
+    ctx.save_for_backward(*output[1:4])
 
 
-def _reduced_vjp(ctx, grad_loss, _grad_h, _grad_w, _grad_b):
+def _reduced_vjp(ctx, grad_loss, _grad_h, _grad_w, _grad_b, _grad_logits):
     # Glue, not a gradient formula: the gradients were derived (see _tile_kernel) in
     # forward at unit upstream gradient; the loss is a scalar, so the chain rule only
     # scales them by the incoming gradient.
     _check_needed(ctx)
     saved = ctx.saved_tensors
     grads = [(saved[i] * grad_loss).to(saved[i].dtype) if ctx.need[i] else None for i in range(3)]
-    return (*grads, None, [None] * ctx.num_extras, None, None, None, None, None, None, None, None)
+    return (*grads, None, [None] * ctx.num_extras, None, None, None, None, None, None, None, None, None)
 
 
 _linear_ce_reduced.register_autograd(_reduced_vjp, setup_context=_reduced_setup_context)
@@ -308,10 +328,14 @@ def tiled_region_loss(
     reduction: str,
     label_smoothing: float,
     tile_tokens: int,
-) -> torch.Tensor:
+    keep_logits_after: int = -1,
+):
     """The loss of a matched region, tiled: flattens tokens and picks the op for ``reduction``.
 
-    ``head_spec`` is the JSON list of :class:`~tile_pass._tile_kernel.LossHead` ops.
+    ``head_spec`` is the JSON list of :class:`~tile_pass._tile_kernel.LossHead` ops. With
+    ``keep_logits_after=k`` (mean/sum only) it returns ``(loss, logits)``: the ``[N, V]``
+    logits after the first ``k`` ops, written tile by tile, detached (for graphs that return
+    them; see :mod:`tile_pass._returned_logits`).
     """
     hidden = _flatten_tokens(hidden)
     target = target.reshape(-1)
@@ -326,15 +350,18 @@ def tiled_region_loss(
             )
     options = (head_spec, int(ignore_index), float(label_smoothing))
     if reduction == "none":
+        if keep_logits_after >= 0:
+            raise ValueError("keep_logits_after needs reduction mean or sum")
         return _linear_ce_tokens(hidden, weight, bias, target, extras, *options, tile_tokens)
     grad_on = torch.is_grad_enabled()
-    loss, *_ = _linear_ce_reduced(
+    loss, _, _, _, logits = _linear_ce_reduced(
         hidden, weight, bias, target, extras, *options, reduction == "mean", tile_tokens,
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
+        keep_logits_after,
     )  # fmt: skip
-    return loss
+    return (loss, logits) if keep_logits_after >= 0 else loss
 
 
 # ------------------------------------------------------------------------- public API
