@@ -47,8 +47,9 @@ class Case:
     compiled: object  # MATCH or Raises
     rewritten: bool | None = None  # whether the compiled pass fires (None: fails before it)
     eager: object = MATCH  # what plain eager does, for the table
-    direct_bug: str | None = None  # a known tile_pass bug: the direct case is a strict xfail
+    direct_bug: str | None = None  # an open tile_pass bug: the direct case is a strict xfail
     compiled_bug: str | None = None
+    fixed: str | None = None  # a bug these tests found, since fixed (kept for the record)
 
     def __str__(self):
         return self.name
@@ -213,7 +214,7 @@ CASES = [
         MATCH,
         Raises(RuntimeError, "Expected dtype int32/int64 for index"),  # plain torch.compile too
         None,
-        direct_bug="uint8 targets fail inside the traced tile kernel with a fake-tensor gather error",
+        fixed="uint8 targets failed inside the traced tile kernel with a fake-tensor gather error",
     ),
     Case(
         "ignore_index a float (2.7)",
@@ -222,7 +223,7 @@ CASES = [
         Raises(TypeError, "must be int"),
         False,
         Raises(TypeError, "must be int"),
-        direct_bug="ignore_index=2.7 is silently truncated to 2 by int(); eager raises TypeError",
+        fixed="ignore_index=2.7 was silently truncated to 2 by int(); eager raises TypeError",
     ),
     Case(
         "target [3, 2] for hidden [2, 3, H] (same count, other shape)",
@@ -230,8 +231,8 @@ CASES = [
         Raises(ValueError, "shape"),
         MATCH,  # the canonical pattern flattens both with .view(-1) itself, as eager does
         True,
-        direct_bug="target is flattened without checking target.shape == hidden.shape[:-1]: tokens "
-        "silently pair with other tokens' labels (F.cross_entropy raises for mismatched batch shapes)",
+        fixed="target was flattened without checking target.shape == hidden.shape[:-1]: tokens "
+        "silently paired with other tokens' labels (F.cross_entropy raises for mismatched batch shapes)",
     ),
     Case(
         "hidden size H = 0",
@@ -239,9 +240,8 @@ CASES = [
         MATCH,
         MATCH,
         True,
-        direct_bug="H=0 crashes with 'cannot reshape tensor of 0 elements into shape [-1, 0]' "
-        "(reshape(-1, hidden_size)); eager returns log(V)",
-        compiled_bug="the pass rewrites H=0 and the compile fails (BackendCompilerFailed, same reshape)",
+        fixed="H=0 crashed with 'cannot reshape tensor of 0 elements into shape [-1, 0]', directly "
+        "and (BackendCompilerFailed) in the rewritten graph; eager returns log(V)",
     ),
 ]
 
@@ -396,13 +396,9 @@ def test_two_threads_concurrently(fn):
     assert_close_to_oracle(single[0], ref, torch.float32, "threaded loss vs oracle")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: meta tensors raise 'unknown device type for autocast' from "
-    "torch.is_autocast_enabled('meta') in linear_cross_entropy; eager returns a meta scalar",
-)
 def test_meta_tensors_give_eager_shape():
-    """Shape inference on the meta device (e.g. models built under torch.device("meta"))."""
+    """Shape inference on the meta device (e.g. models built under torch.device("meta")).
+    Found by these tests: meta tensors raised 'unknown device type for autocast' (fixed)."""
     d = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in base().items()}
     out = direct(**d)
     assert out.device.type == "meta" and out.shape == canonical(**d).shape
