@@ -411,11 +411,9 @@ def outcome_table() -> str:
     ]
     for c in CASES:
         fires = {True: "yes", False: "no (skipped, reported)", None: "no (Dynamo fails first)"}[c.rewritten]
-        bug = " **(bug: today it does not)**"
-        direct_s, compiled_s = (
-            f"{c.direct}{bug if c.direct_bug else ''}",
-            f"{c.compiled}{bug if c.compiled_bug else ''}",
-        )
+        bug = " **(open bug: today it does not)**"
+        direct_s = f"{c.direct}{bug if c.direct_bug else ''}{' (was a bug, fixed)' if c.fixed else ''}"
+        compiled_s = f"{c.compiled}{bug if c.compiled_bug else ''}"
         rows.append(f"| {c.name} | {c.eager} | {direct_s} | {compiled_s} | {fires} |")
     return "\n".join(rows) + "\n"
 
