@@ -28,6 +28,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.split_module import split_module
 
 aten = torch.ops.aten
 
@@ -126,6 +127,7 @@ class KernelKey:
     need_bias: bool
     acc_dtype: torch.dtype  # token weights and gradient sums: float32, or float64 for float64
     keep_logits_after: int = -1  # >= 0: also return the logits tile after that many ops
+    compiled: bool = False  # compile the elementwise middle (softmax, loss, dlogits) with Inductor
 
 
 class TileKernel:
@@ -255,11 +257,80 @@ def _accumulate_weight_grad_in_place(gm: torch.fx.GraphModule) -> int:
     return fused
 
 
+_GEMMS = {aten.mm.default, aten.addmm.default, aten.addmm_.default}
+_VIEWS = {aten.t.default, aten.detach.default, aten.view.default, aten.transpose.int, aten.permute.default}
+
+
+def _split_at_gemms(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
+    """Split the derived tile graph into GEMMs and the elementwise middle between them.
+
+    ``submod_1`` of the result takes the logits tile and returns the losses and the logits
+    gradient (everything that depends on the logits but on no backward GEMM); Inductor
+    fuses it into a few passes over the tile, while the GEMMs, including the in-place
+    weight-gradient ``addmm_``, stay library calls. ``None`` if the graph has no such shape.
+    """
+    nodes = list(gm.graph.nodes)
+    logits = next((n for n in nodes if n.target in _GEMMS), None)
+    if logits is None:
+        return None
+    on_logits, after_gemm = set(), set()
+    for n in nodes:
+        if n is logits or any(a in on_logits for a in n.all_input_nodes):
+            on_logits.add(n)
+        if n in on_logits and n is not logits and n.target in _GEMMS:
+            after_gemm.add(n)
+        elif any(a in after_gemm for a in n.all_input_nodes):
+            after_gemm.add(n)
+
+    def feeds_gemm_only(n):  # views whose every use is a backward GEMM
+        return (
+            n.target in _VIEWS
+            and n.users
+            and all((u in after_gemm and u.target in _GEMMS) or feeds_gemm_only(u) for u in n.users)
+        )
+
+    partition = {}
+    for n in nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n in on_logits and n is not logits and n not in after_gemm and not feeds_gemm_only(n):
+            partition[n] = 1
+        elif n in after_gemm or (n in on_logits and n is not logits):
+            partition[n] = 2
+        else:
+            partition[n] = 0
+    if 1 not in partition.values():
+        return None
+    return split_module(gm, None, lambda n: partition[n])
+
+
+def _compile_middle(split: torch.fx.GraphModule, key: KernelKey) -> None:
+    """Compile ``split.submod_1`` with Inductor and run it once, so the compile happens here."""
+    middle = split.submod_1
+    example = []
+    for node in middle.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise RuntimeError("tile_pass: the tile graph lost its shape metadata")
+        example.append(torch.zeros(val.shape, dtype=val.dtype, device=key.device))
+    compiled = torch.compile(middle, backend="inductor", dynamic=False, fullgraph=True)
+    with torch.no_grad():
+        compiled(*example)
+    split.submod_1 = compiled
+
+
 def _trace(key: KernelKey) -> TileKernel:
     with FakeTensorMode(allow_non_fake_inputs=False):
         inputs = _example_inputs(key)
     gm = make_fx(_joint_function(key), tracing_mode="fake")(*inputs)
     _accumulate_weight_grad_in_place(gm)
+    if key.compiled:
+        split = _split_at_gemms(gm)
+        if split is not None:
+            _compile_middle(split, key)
+            gm = split
     return TileKernel(key, gm)
 
 

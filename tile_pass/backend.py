@@ -48,6 +48,7 @@ class Backend:
         drop_logits: bool = False,
         dump_dir: str | None = None,
         validate: bool = False,
+        compile_tiles: bool | None = None,
         keep_reports: int = 64,
     ):
         if tile_tokens is not None and tile_tokens < 1:
@@ -60,6 +61,7 @@ class Backend:
         self.drop_logits = drop_logits
         self.dump_dir = dump_dir
         self.validate = validate
+        self.compile_tiles = (inner == "inductor") if compile_tiles is None else compile_tiles
         self._inner = _resolve_inner(inner)
         self._graphs_seen = 0
         self.reports: collections.deque[GraphReport] = collections.deque(maxlen=keep_reports)
@@ -76,6 +78,7 @@ class Backend:
             tile_tokens=self.tile_tokens,
             tile_bytes=self.tile_bytes,
             drop_logits=self.drop_logits,
+            compile_tiles=self.compile_tiles,
         )
         report = result.report
         self._graphs_seen += 1
@@ -145,6 +148,7 @@ def backend(
     drop_logits: bool = False,
     dump_dir: str | None = None,
     validate: bool = False,
+    compile_tiles: bool | None = None,
 ) -> Backend:
     """A configured backend: ``torch.compile(model, backend=tile_pass.backend(...))``.
 
@@ -161,6 +165,8 @@ def backend(
     before and after the rewrite as readable Python and, where graphviz is installed, SVG.
     ``validate=True`` checks each rewritten graph on its first call against the original
     graph run eagerly in float64 (outputs and gradients) and raises on disagreement.
+    ``compile_tiles`` (default: when ``inner`` is inductor) compiles each tile's elementwise
+    work (softmax, loss, logits gradient) with Inductor, once per tile shape.
     """
     return Backend(
         inner,
@@ -169,6 +175,7 @@ def backend(
         drop_logits=drop_logits,
         dump_dir=dump_dir,
         validate=validate,
+        compile_tiles=compile_tiles,
     )
 
 

@@ -529,7 +529,9 @@ def _unflatten_tokens(logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tenso
     return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
 
-def _rewrite(graph: torch.fx.Graph, region: Region, tile_tokens: int, drop_logits: bool, result) -> str:
+def _rewrite(
+    graph: torch.fx.Graph, region: Region, tile_tokens: int, drop_logits: bool, compile_tiles: bool, result
+) -> str:
     """Apply one rewrite; return how a returned logits output was handled."""
     loss = region.loss
     returned = region.returned
@@ -556,6 +558,7 @@ def _rewrite(graph: torch.fx.Graph, region: Region, tile_tokens: int, drop_logit
                 "label_smoothing": region.label_smoothing,
                 "tile_tokens": tile_tokens,
                 "keep_logits_after": region.returned_ops if from_tiles else -1,
+                "compile_tiles": compile_tiles,
             },
         )
         new_loss, tiled_logits = tiled, None
@@ -617,6 +620,7 @@ def rewrite_graph(
     tile_tokens: int | None = None,
     tile_bytes: int | None = None,
     drop_logits: bool = False,
+    compile_tiles: bool = False,
 ) -> GraphRewrite:
     """Rewrite every exactly-matched region of ``gm`` in place; report every candidate."""
     result = GraphRewrite(GraphReport(index=graph_index))
@@ -637,7 +641,7 @@ def rewrite_graph(
         num_tokens = region.num_tokens
         itemsize = torch.empty((), dtype=dtype).element_size()
         returned_val = _val(region.returned) if region.returned is not None else None
-        handled = _rewrite(gm.graph, region, tile, drop_logits, result)
+        handled = _rewrite(gm.graph, region, tile, drop_logits, compile_tiles, result)
         kept = 0
         if returned_val is not None and not handled.startswith("dropped"):
             kept = returned_val.numel() * returned_val.element_size()

@@ -58,6 +58,7 @@ def _run_tiles(
     coef: torch.Tensor,
     head: LossHead,
     tile_tokens: int,
+    compile_tiles: bool,
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
@@ -89,6 +90,7 @@ def _run_tiles(
             need_bias=need_bias,
             acc_dtype=coef.dtype,
             keep_logits_after=keep_logits_after,
+            compiled=compile_tiles,
         )
     )
     acc = coef.dtype
@@ -160,6 +162,7 @@ def _linear_ce_reduced(
     label_smoothing: float,
     mean: bool,
     tile_tokens: int,
+    compile_tiles: bool,
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
@@ -174,7 +177,7 @@ def _linear_ce_reduced(
         # 1 / (global valid count) on valid tokens, 0 elsewhere (also when count == 0)
         coef = coef / count.clamp_min(1)
     total, *grads = _run_tiles(
-        hidden, weight, bias, target, extras, coef, head, tile_tokens,
+        hidden, weight, bias, target, extras, coef, head, tile_tokens, compile_tiles,
         need_hidden, need_weight, need_bias, None, logits_out, keep_logits_after,
     )  # fmt: skip
     loss = total / count if mean else total
@@ -184,7 +187,7 @@ def _linear_ce_reduced(
 
 @_linear_ce_reduced.register_fake
 def _(hidden, weight, bias, target, extras, head_spec, ignore_index, label_smoothing, mean,
-      tile_tokens, need_hidden, need_weight, need_bias, keep_logits_after):  # fmt: skip
+      tile_tokens, compile_tiles, need_hidden, need_weight, need_bias, keep_logits_after):  # fmt: skip
     loss = hidden.new_empty((), dtype=_loss_dtype(hidden, head_spec, extras))
     logits = _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after)
     return (loss, *_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias), logits)
@@ -200,7 +203,7 @@ def _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after: int) ->
 
 
 def _reduced_setup_context(ctx, inputs, output):
-    ctx.need = inputs[10:13]
+    ctx.need = inputs[11:14]
     ctx.num_extras = len(inputs[4])
     ctx.mark_non_differentiable(output[4])  # returned logits: see _returned_logits
     ctx.save_for_backward(*output[1:4])
@@ -213,7 +216,7 @@ def _reduced_vjp(ctx, grad_loss, _grad_h, _grad_w, _grad_b, _grad_logits):
     _check_needed(ctx)
     saved = ctx.saved_tensors
     grads = [(saved[i] * grad_loss).to(saved[i].dtype) if ctx.need[i] else None for i in range(3)]
-    return (*grads, None, [None] * ctx.num_extras, None, None, None, None, None, None, None, None, None)
+    return (*grads, None, [None] * ctx.num_extras, *[None] * 10)
 
 
 _linear_ce_reduced.register_autograd(_reduced_vjp, setup_context=_reduced_setup_context)
@@ -233,16 +236,21 @@ def _linear_ce_tokens(
     ignore_index: int,
     label_smoothing: float,
     tile_tokens: int,
+    compile_tiles: bool,
 ) -> torch.Tensor:
     head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing)
     out = hidden.new_empty((hidden.shape[0],), dtype=_loss_dtype(hidden, head_spec, extras))
     coef = hidden.new_zeros((hidden.shape[0],), dtype=_acc_dtype(hidden))
-    _run_tiles(hidden, weight, bias, target, extras, coef, head, tile_tokens, False, False, False, out)
+    _run_tiles(
+        hidden, weight, bias, target, extras, coef, head, tile_tokens, compile_tiles, False, False, False, out
+    )
     return out
 
 
 @_linear_ce_tokens.register_fake
-def _(hidden, weight, bias, target, extras, head_spec, ignore_index, label_smoothing, tile_tokens):
+def _(
+    hidden, weight, bias, target, extras, head_spec, ignore_index, label_smoothing, tile_tokens, compile_tiles
+):
     return hidden.new_empty((hidden.shape[0],), dtype=_loss_dtype(hidden, head_spec, extras))
 
 
@@ -258,6 +266,7 @@ def _linear_ce_tokens_backward(
     ignore_index: int,
     label_smoothing: float,
     tile_tokens: int,
+    compile_tiles: bool,
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
@@ -265,14 +274,14 @@ def _linear_ce_tokens_backward(
     head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing)
     _, *grads = _run_tiles(
         hidden, weight, bias, target, extras, grad_tokens.to(_acc_dtype(hidden)), head, tile_tokens,
-        need_hidden, need_weight, need_bias,
+        compile_tiles, need_hidden, need_weight, need_bias,
     )  # fmt: skip
     return _grads_or_empty(hidden, weight, bias, *grads)
 
 
 @_linear_ce_tokens_backward.register_fake
 def _(grad_tokens, hidden, weight, bias, target, extras, head_spec, ignore_index, label_smoothing,
-      tile_tokens, need_hidden, need_weight, need_bias):  # fmt: skip
+      tile_tokens, compile_tiles, need_hidden, need_weight, need_bias):  # fmt: skip
     return _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
@@ -296,7 +305,7 @@ def _tokens_vjp(ctx, grad_tokens):
         grad_h if need[0] else None,
         grad_w if need[1] else None,
         grad_b if need[2] else None,
-        None, [None] * ctx.num_extras, None, None, None, None,
+        None, [None] * ctx.num_extras, None, None, None, None, None,
     )  # fmt: skip
 
 
@@ -329,10 +338,13 @@ def tiled_region_loss(
     label_smoothing: float,
     tile_tokens: int,
     keep_logits_after: int = -1,
+    compile_tiles: bool = False,
 ):
     """The loss of a matched region, tiled: flattens tokens and picks the op for ``reduction``.
 
-    ``head_spec`` is the JSON list of :class:`~tile_pass._tile_kernel.LossHead` ops. With
+    ``head_spec`` is the JSON list of :class:`~tile_pass._tile_kernel.LossHead` ops.
+    ``compile_tiles`` compiles the elementwise middle of the tile function (softmax, loss,
+    logits gradient) with Inductor, once per tile shape; the GEMMs stay library calls. With
     ``keep_logits_after=k`` (mean/sum only) it returns ``(loss, logits)``: the ``[N, V]``
     logits after the first ``k`` ops, written tile by tile, detached (for graphs that return
     them; see :mod:`tile_pass._returned_logits`).
@@ -352,10 +364,10 @@ def tiled_region_loss(
     if reduction == "none":
         if keep_logits_after >= 0:
             raise ValueError("keep_logits_after needs reduction mean or sum")
-        return _linear_ce_tokens(hidden, weight, bias, target, extras, *options, tile_tokens)
+        return _linear_ce_tokens(hidden, weight, bias, target, extras, *options, tile_tokens, compile_tiles)
     grad_on = torch.is_grad_enabled()
     loss, _, _, _, logits = _linear_ce_reduced(
-        hidden, weight, bias, target, extras, *options, reduction == "mean", tile_tokens,
+        hidden, weight, bias, target, extras, *options, reduction == "mean", tile_tokens, compile_tiles,
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
@@ -381,6 +393,7 @@ def linear_cross_entropy(
     upcast: bool = True,
     logit_scale: float | None = None,
     softcap: float | None = None,
+    compile_tiles: bool = False,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)``, tiled.
 
@@ -392,6 +405,8 @@ def linear_cross_entropy(
     logits; float64 inputs are never downcast. ``logit_scale`` multiplies the logits and
     ``softcap`` caps them (``softcap * tanh(logits / softcap)``, Gemma 2) before the upcast,
     inside each tile. With ``reduction="none"`` the result has shape ``[N]``.
+    ``compile_tiles=True`` compiles each tile's softmax/loss/gradient with Inductor (faster
+    steps, a one-off compile per tile shape).
 
     Works in eager code and inside ``torch.compile`` (no graph break, no host sync).
     """
@@ -450,5 +465,5 @@ def linear_cross_entropy(
     )
     return tiled_region_loss(
         hidden, weight, bias, target, [], head_spec="[" + ", ".join(ops) + "]", ignore_index=ignore_index,
-        reduction=reduction, label_smoothing=label_smoothing, tile_tokens=tile,
+        reduction=reduction, label_smoothing=label_smoothing, tile_tokens=tile, compile_tiles=compile_tiles,
     )  # fmt: skip
