@@ -659,7 +659,7 @@ def rewrite_graph(
                 tile_tokens=tile,
                 num_tiles=_plain((num_tokens + tile - 1) // tile),
                 forward_bytes_avoided=_plain(
-                    num_tokens * vocab_size * _forward_bytes(itemsize, region.upcast)
+                    num_tokens * vocab_size * _forward_bytes(itemsize, region.upcast) - kept
                 ),
                 backward_bytes_avoided=_plain(
                     num_tokens * vocab_size * (4 + (itemsize if itemsize != 4 else 0))
