@@ -117,30 +117,33 @@ def full_params(model, wrapper):
     return out
 
 
-def _worker(rank, port, wrapper, optimizer, outdir):
+def _train(rank, wrapper, optimizer):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = wrap(CausalLM(loop=wrapper == "fsdp_loop"), wrapper)
+    backend = tile_pass.backend("aot_eager", tile_tokens=8)
+    step = torch.compile(model, backend=backend)
+    opt = make_optimizer(optimizer, model.parameters())
+    tokens, labels = global_batch()
+    rows = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = step(tokens[rows], labels[rows])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"report": backend.report().to_dict(), "params": full_params(model, wrapper), "losses": losses}
+
+
+def _worker(rank, port, configs, outdir):
+    """Train each ``(wrapper, optimizer)`` config in turn (one process start for several)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     try:
-        torch.manual_seed(0)
-        model = wrap(CausalLM(loop=wrapper == "fsdp_loop"), wrapper)
-        backend = tile_pass.backend("aot_eager", tile_tokens=8)
-        step = torch.compile(model, backend=backend)
-        opt = make_optimizer(optimizer, model.parameters())
-        tokens, labels = global_batch()
-        rows = slice(rank * B_LOCAL, (rank + 1) * B_LOCAL)
-        losses = []
-        for _ in range(STEPS):
-            opt.zero_grad()
-            loss = step(tokens[rows], labels[rows])
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        result = {
-            "report": backend.report().to_dict(),
-            "params": full_params(model, wrapper),
-            "losses": losses,
-        }
-        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        for wrapper, optimizer in configs:
+            result = _train(rank, wrapper, optimizer)
+            torch.save(result, os.path.join(outdir, f"{wrapper}_{optimizer}_rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -179,21 +182,29 @@ def eager_reference(optimizer):
     return {n: p.detach() for n, p in model.named_parameters()}, losses
 
 
+def run_cases(tmp_path, *configs):
+    """Per config, the reports of every rank, after checking the parameters against eager."""
+    spawn(_worker, (_free_port(), list(configs), str(tmp_path)))
+    reports = []
+    for wrapper, optimizer in configs:
+        results = [torch.load(tmp_path / f"{wrapper}_{optimizer}_rank{r}.pt") for r in range(WORLD)]
+        ref_params, ref_losses = eager_reference(optimizer)
+        for rank, result in enumerate(results):
+            assert len(result["losses"]) == STEPS
+            for name, ref in ref_params.items():
+                torch.testing.assert_close(
+                    result["params"][name].double(), ref, rtol=1e-4, atol=1e-5,
+                    msg=lambda m, n=name, r=rank, w=wrapper: f"{w} rank {r} {n}: {m}",
+                )  # fmt: skip
+        # per-rank losses are local means; equal valid counts make their average the global mean
+        mean_losses = [sum(r["losses"][i] for r in results) / WORLD for i in range(STEPS)]
+        torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        reports.append([r["report"] for r in results])
+    return reports
+
+
 def run_case(tmp_path, wrapper, optimizer):
-    spawn(_worker, (_free_port(), wrapper, optimizer, str(tmp_path)))
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    ref_params, ref_losses = eager_reference(optimizer)
-    for rank, result in enumerate(results):
-        # per-rank loss is the local mean; equal valid counts make their average the global mean
-        assert len(result["losses"]) == STEPS
-        for name, ref in ref_params.items():
-            got = result["params"][name]
-            torch.testing.assert_close(
-                got.double(), ref, rtol=1e-4, atol=1e-5, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
-            )
-    mean_losses = [sum(r["losses"][i] for r in results) / WORLD for i in range(STEPS)]
-    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    return [r["report"] for r in results]
+    return run_cases(tmp_path, (wrapper, optimizer))[0]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", pytest.param("adamw", marks=pytest.mark.slow)])
@@ -215,19 +226,21 @@ def test_fsdp2_rewrites_and_matches_single_process(tmp_path, optimizer):
         assert report["rewrites"][0]["num_tokens"] == B_LOCAL * T
 
 
-def test_fsdp2_separately_sharded_head_is_skipped_with_a_reason_and_exact(tmp_path):
-    """fully_shard(lm_head) makes Dynamo break the graph between head and loss: no rewrite,
-    a reason in the report, and the training result unchanged."""
-    for report in run_case(tmp_path, "fsdp_head_sharded", "sgd"):
+def test_fsdp2_wrappings_that_hide_the_head_from_the_pass_stay_exact(tmp_path):
+    """Two FSDP2 wrappings (one process start for both) where the pass cannot act, and says so
+    or sees nothing, while training stays exact:
+
+    * ``fully_shard(lm_head)``: Dynamo breaks the graph between head and loss: no rewrite,
+      a reason naming the graph break in the report;
+    * sharded blocks called in ``for block in self.blocks``: the break inside the loop skips
+      the frame; nothing is rewritten or even seen (compile head + loss on their own instead).
+    """
+    head_sharded, loop = run_cases(tmp_path, ("fsdp_head_sharded", "sgd"), ("fsdp_loop", "sgd"))
+    for report in head_sharded:
         assert not report["rewrites"], report
         assert len(report["skipped"]) == 1, report
         assert "graph break" in report["skipped"][0]["reason"]
-
-
-def test_fsdp2_blocks_in_a_loop_hide_the_loss_from_the_pass(tmp_path):
-    """The graph break at a sharded block inside ``for block in self.blocks`` skips the frame:
-    nothing is rewritten or even seen (compile the head + loss on their own to get the pass)."""
-    for report in run_case(tmp_path, "fsdp_loop", "sgd"):
+    for report in loop:
         assert not report["rewrites"] and not report["skipped"], report
 
 
