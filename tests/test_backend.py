@@ -159,8 +159,10 @@ def test_inner_and_option_errors_name_the_fix():
     with pytest.raises(ValueError, match="tile_tokens"):
         tile_pass.backend(tile_tokens=0)
     h, w, y = inputs("cpu")
-    with pytest.raises(ValueError, match="batch_size"):
+    with pytest.raises(ValueError, match="target must have shape"):
         tile_pass.linear_cross_entropy(h, w, y[:, :5])
+    with pytest.raises(ValueError, match="batch_size"):
+        tile_pass.linear_cross_entropy(h, w, y.reshape(-1)[:20])
     with pytest.raises(ValueError, match="last dimension"):
         tile_pass.linear_cross_entropy(h[..., :3], w, y)
     with pytest.raises(TypeError, match="share one dtype"):

@@ -92,8 +92,9 @@ def test_frozen_weight_gets_no_gradient_work():
         if n.target is torch.ops.tile_pass.linear_ce_reduced.default
     ]
     assert len(calls) == 1
-    need_hidden, need_weight, need_bias = calls[0].args[-3:]
-    assert (need_hidden, need_weight, need_bias) == (True, False, False)
+    schema = torch.ops.tile_pass.linear_ce_reduced.default._schema
+    args = dict(zip([a.name for a in schema.arguments], calls[0].args, strict=False))
+    assert (args["need_hidden"], args["need_weight"], args["need_bias"]) == (True, False, False)
 
 
 def test_measured_peak_memory_drops_by_the_logits():

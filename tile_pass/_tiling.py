@@ -9,10 +9,16 @@ The tiled loss keeps, per token of a tile, these ``[tile, V]`` buffers alive at 
 * the float32 gradient of the logits tile (4 bytes),
 * the gradient cast back to the model dtype, when that is not float32 (``s`` bytes).
 
-So ``bytes_per_token = V * (s + 4 + 4 + [4 + s if s != 4])``; the tile is the budget
-divided by that, rounded down to a multiple of 16 tokens (GEMM-friendly) and clamped to
-``[16, 65536]``. The sequence length never enters, so one tile size serves every ``N``
+So ``bytes_per_token = V * (s + 4 + 4 + [4 + s if s != 4])``; the budget divided by that,
+rounded down to a multiple of 16 tokens and clamped to ``[16, 65536]``, is the largest
+tile. The sequence length never enters the compiled graph, so one graph serves every ``N``
 under ``dynamic=True`` without guards.
+
+At run time (:func:`effective_tile`), a batch whose logits are small next to the budget is
+cut into at least ``MIN_TILES`` tiles of a power-of-two size (but not below
+``MIN_AUTO_TILE`` tokens, where GEMMs lose efficiency), so the tiles stay a fraction of the
+logits they replace at every size. Large batches use the budget's tile: peak memory is flat
+in ``N``. An explicit ``tile_tokens`` is used as given.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ DEFAULT_TILE_BYTES = 256 * 1024 * 1024
 
 _MIN_TILE = 16
 _MAX_TILE = 65536
+#: a batch is cut into at least this many tiles when the budget would allow fewer
+MIN_TILES = 8
+#: ...but automatic tiles are not made smaller than this (GEMM efficiency)
+MIN_AUTO_TILE = 128
 
 
 def tile_bytes_per_token(vocab_size: int, logits_dtype: torch.dtype, upcast: bool) -> int:
@@ -60,13 +70,25 @@ def choose_tile_tokens(
     return max(_MIN_TILE, min(_MAX_TILE, tokens))
 
 
+def auto_tile(largest: int) -> int:
+    """Encode "automatic, at most ``largest`` tokens" for the ops' ``tile_tokens`` argument."""
+    return -largest
+
+
 def effective_tile(num_tokens: int, tile_tokens: int) -> int:
     """The tile actually run for ``num_tokens`` rows.
 
-    Batches smaller than one tile run in a single tile padded to the next power of two
-    (at least 16), so small batches neither pad to a huge tile nor trace a new tile
-    function for every distinct length.
+    ``tile_tokens > 0`` is a fixed tile; ``tile_tokens < 0`` (see :func:`auto_tile`) is
+    automatic with ``-tile_tokens`` as the largest tile. Batches smaller than one tile run
+    in a single tile padded to the next power of two (at least 16), so small batches
+    neither pad to a huge tile nor trace a new tile function for every distinct length.
     """
+    if tile_tokens < 0:
+        per_tile = num_tokens // MIN_TILES
+        power = MIN_AUTO_TILE
+        while power * 2 <= per_tile:
+            power *= 2
+        tile_tokens = min(-tile_tokens, power)
     if num_tokens >= tile_tokens:
         return tile_tokens
     padded = _MIN_TILE

@@ -29,7 +29,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
-from tile_pass._tiling import choose_tile_tokens
+from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile
 from tile_pass.report import GraphReport, Rewrite, Skip, source_line
 from tile_pass.tiled_loss import tiled_region_loss
 
@@ -638,7 +638,10 @@ def rewrite_graph(
             optimization_hint(vocab_size, fallback=32768), dtype, region.upcast,
             tile_tokens=tile_tokens, tile_bytes=tile_bytes,
         )  # fmt: skip
+        if tile_tokens is None:
+            tile = auto_tile(tile)
         num_tokens = region.num_tokens
+        tile_now = effective_tile(optimization_hint(num_tokens, fallback=8192), tile)
         itemsize = torch.empty((), dtype=dtype).element_size()
         returned_val = _val(region.returned) if region.returned is not None else None
         handled = _rewrite(gm.graph, region, tile, drop_logits, compile_tiles, result)
@@ -656,8 +659,8 @@ def rewrite_graph(
                 vocab_size=_plain(vocab_size),
                 dtype=str(dtype).replace("torch.", ""),
                 reduction=region.reduction,
-                tile_tokens=tile,
-                num_tiles=_plain((num_tokens + tile - 1) // tile),
+                tile_tokens=tile_now,
+                num_tiles=_plain((num_tokens + tile_now - 1) // tile_now),
                 forward_bytes_avoided=_plain(
                     num_tokens * vocab_size * _forward_bytes(itemsize, region.upcast) - kept
                 ),

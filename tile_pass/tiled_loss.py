@@ -26,7 +26,7 @@ import json
 import torch
 
 from tile_pass._tile_kernel import KernelKey, LossHead, tile_kernel
-from tile_pass._tiling import choose_tile_tokens, effective_tile
+from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -463,6 +463,8 @@ def linear_cross_entropy(
     tile = choose_tile_tokens(
         vocab_size, hidden.dtype, upcast, tile_tokens=tile_tokens, tile_bytes=tile_bytes
     )
+    if tile_tokens is None:
+        tile = auto_tile(tile)
     return tiled_region_loss(
         hidden, weight, bias, target, [], head_spec="[" + ", ".join(ops) + "]", ignore_index=ignore_index,
         reduction=reduction, label_smoothing=label_smoothing, tile_tokens=tile, compile_tiles=compile_tiles,
