@@ -74,7 +74,7 @@ def plot(rows: list[dict[str, Any]], key: str, ylabel: str, path: Path, log_y: b
             tokens = sorted({p["tokens"] for pts in impls.values() for p in pts})
             sizes = {p["tokens"]: p["logits_mib"] for pts in impls.values() for p in pts}
             logits = [sizes[n] for n in tokens]
-            ax.plot(tokens, logits, color="lightgray", linestyle=":", label="logits size")
+            ax.plot(tokens, logits, color="lightgray", linestyle=":", marker="_", label="logits size")
         ax.set_title(f"H={hidden}, V={vocab}, {dtype}")
         ax.set_xlabel("tokens N")
         ax.set_ylabel(ylabel)
