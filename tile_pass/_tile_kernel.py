@@ -304,8 +304,21 @@ def _split_at_gemms(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
     return split_module(gm, None, lambda n: partition[n])
 
 
+class _Compiled(torch.nn.Module):
+    """Holds an Inductor-compiled function where the split graph expects a submodule."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 def _compile_middle(split: torch.fx.GraphModule, key: KernelKey) -> None:
-    """Compile ``split.submod_1`` with Inductor and run it once, so the compile happens here."""
+    """Compile ``split.submod_1`` with Inductor (no Dynamo: it is already an aten graph)."""
+    from torch._inductor.compile_fx import compile_fx
+
     middle = split.submod_1
     example = []
     for node in middle.graph.nodes:
@@ -315,10 +328,8 @@ def _compile_middle(split: torch.fx.GraphModule, key: KernelKey) -> None:
         if not isinstance(val, torch.Tensor):
             raise RuntimeError("tile_pass: the tile graph lost its shape metadata")
         example.append(torch.zeros(val.shape, dtype=val.dtype, device=key.device))
-    compiled = torch.compile(middle, backend="inductor", dynamic=False, fullgraph=True)
     with torch.no_grad():
-        compiled(*example)
-    split.submod_1 = compiled
+        split.submod_1 = _Compiled(compile_fx(middle, example))
 
 
 def _trace(key: KernelKey) -> TileKernel:
