@@ -260,21 +260,19 @@ def _leading_index(node: torch.fx.Node, ndim: int) -> tuple | None:
     return explicit
 
 
-def _is_cast_to_float32(node: torch.fx.Node) -> bool:
-    if node.op != "call_method" or node.target not in _CAST_METHODS:
-        return False
+def _check_cast(node: torch.fx.Node) -> None:
+    """Raise unless ``node`` is a no-op cast or a float32 upcast on the same device."""
     out, inp = _val(node), _val(node.args[0])
     if out is None or inp is None:
         raise _NoMatch("a cast between the linear and the loss has no shape information")
     if out.device != inp.device:
         raise _NoMatch("the logits are moved to another device before the loss")
     if out.dtype == inp.dtype:
-        return True  # a no-op cast
+        return
     if out.dtype != torch.float32:
         raise _NoMatch(f"the logits are cast to {out.dtype} before the loss (only a float32 upcast is tiled)")
     if inp.dtype == torch.float64:
         raise _NoMatch("the float64 logits are cast down to float32 before the loss")
-    return True
 
 
 def _row_wise_op(node: torch.fx.Node, x: torch.fx.Node, vocab_size, extras: list[torch.fx.Node]):
@@ -432,7 +430,7 @@ def match_region(loss: torch.fx.Node) -> Region:
             slices.append(index)
             steps.append("slice tokens")
         elif current.op == "call_method" and current.target in _CAST_METHODS:
-            _is_cast_to_float32(current)
+            _check_cast(current)
             if value.dtype != _val(previous).dtype:
                 ops.append(["cast", "float32"])
                 steps.append("float32 upcast")

@@ -32,16 +32,19 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 @functools.lru_cache(maxsize=256)
-def _loss_dtype_cached(head_spec: str, dtype: torch.dtype, extras: tuple[torch.dtype, ...]) -> torch.dtype:
+def _loss_dtype_cached(
+    head_spec: str, dtype: torch.dtype, extras: tuple[tuple[torch.dtype, int], ...]
+) -> torch.dtype:
     head = LossHead(LossHead.parse_ops(head_spec), -100, 0.0)
-    meta = [torch.empty((), dtype=d, device="meta") for d in extras]
+    # 0-d and 1-d extras promote differently: keep their rank
+    meta = [torch.empty((1,) * ndim, dtype=d, device="meta") for d, ndim in extras]
     x = torch.empty(1, 1, dtype=dtype, device="meta")
     return head.logits(x, x, None, meta).dtype
 
 
-def _loss_dtype(hidden: torch.Tensor, head_spec: str, extras) -> torch.Tensor:
+def _loss_dtype(hidden: torch.Tensor, head_spec: str, extras) -> torch.dtype:
     """The dtype the logits reach the loss in (so the loss's dtype), as eager would have it."""
-    return _loss_dtype_cached(head_spec, hidden.dtype, tuple(e.dtype for e in extras))
+    return _loss_dtype_cached(head_spec, hidden.dtype, tuple((e.dtype, e.dim()) for e in extras))
 
 
 def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -198,7 +201,7 @@ def _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after: int) ->
     if keep_logits_after < 0:
         return _empty(hidden)
     ops = LossHead.parse_ops(head_spec)[:keep_logits_after]
-    dtype = _loss_dtype_cached(json.dumps(ops), hidden.dtype, tuple(e.dtype for e in extras))
+    dtype = _loss_dtype_cached(json.dumps(ops), hidden.dtype, tuple((e.dtype, e.dim()) for e in extras))
     return hidden.new_empty((hidden.shape[0], weight.shape[0]), dtype=dtype)
 
 
