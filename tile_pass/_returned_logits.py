@@ -28,6 +28,8 @@ class _LogitsGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logits):
+        # Derived, not a hand-written formula: the vector-Jacobian product of the copied
+        # forward code (the region's projection and row-wise ops), by torch.autograd.grad.
         inputs = ctx.saved_tensors
         wanted = [i for i, needs in enumerate(ctx.needs_input_grad[2:]) if needs]
         grads = [None] * len(inputs)
