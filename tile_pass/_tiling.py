@@ -25,9 +25,16 @@ from __future__ import annotations
 
 import torch
 
-#: Default budget for the per-tile buffers. 256 MiB keeps tiles large enough for the
-#: GEMMs to run at full speed while staying a small fraction of a large-vocab step.
+#: Default budget for the per-tile buffers on CPU. Cache-sized tiles do not help here: the
+#: step is GEMM-bound and a GEMM of a few hundred rows streams the whole ``[V, H]`` weight
+#: once per tile, so the budget trades memory against the number of weight passes (see
+#: docs/benchmarks.md for the sweep). 256 MiB keeps a large-vocab step at a small fraction
+#: of its logits.
 DEFAULT_TILE_BYTES = 256 * 1024 * 1024
+#: On an accelerator the budget is this fraction of the free memory, within the bounds below.
+GPU_FREE_FRACTION = 1 / 16
+GPU_MIN_TILE_BYTES = 256 * 1024 * 1024
+GPU_MAX_TILE_BYTES = 4 * 1024 * 1024 * 1024
 
 _MIN_TILE = 16
 _MAX_TILE = 65536
@@ -48,6 +55,17 @@ def tile_bytes_per_token(vocab_size: int, logits_dtype: torch.dtype, upcast: boo
     return vocab_size * per_element
 
 
+def default_tile_bytes(device: torch.device | str | None = None) -> int:
+    """The budget when none is given: fixed on CPU, a share of the free memory on a GPU."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        if torch.compiler.is_compiling():  # traced code cannot ask the driver; stay small
+            return GPU_MIN_TILE_BYTES
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(min(GPU_MAX_TILE_BYTES, max(GPU_MIN_TILE_BYTES, free * GPU_FREE_FRACTION)))
+    return DEFAULT_TILE_BYTES
+
+
 def choose_tile_tokens(
     vocab_size: int,
     logits_dtype: torch.dtype,
@@ -55,13 +73,15 @@ def choose_tile_tokens(
     *,
     tile_tokens: int | None = None,
     tile_bytes: int | None = None,
+    device: torch.device | str | None = None,
 ) -> int:
-    """The number of tokens per tile: ``tile_tokens`` if given, else from ``tile_bytes``."""
+    """The number of tokens per tile: ``tile_tokens`` if given, else from ``tile_bytes``
+    (default: :func:`default_tile_bytes` for ``device``)."""
     if tile_tokens is not None:
         if tile_tokens < 1:
             raise ValueError(f"tile_tokens must be a positive integer, got {tile_tokens}")
         return int(tile_tokens)
-    budget = DEFAULT_TILE_BYTES if tile_bytes is None else int(tile_bytes)
+    budget = default_tile_bytes(device) if tile_bytes is None else int(tile_bytes)
     if budget <= 0:
         raise ValueError(f"tile_bytes must be positive, got {tile_bytes}")
     per_token = tile_bytes_per_token(vocab_size, logits_dtype, upcast)

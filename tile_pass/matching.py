@@ -634,7 +634,7 @@ def rewrite_graph(
         # the tile only affects speed, so a symbolic vocabulary is sized by its hint, unguarded
         tile = choose_tile_tokens(
             optimization_hint(vocab_size, fallback=32768), dtype, region.upcast,
-            tile_tokens=tile_tokens, tile_bytes=tile_bytes,
+            tile_tokens=tile_tokens, tile_bytes=tile_bytes, device=_val(region.linear).device,
         )  # fmt: skip
         if tile_tokens is None:
             tile = auto_tile(tile)

@@ -464,7 +464,7 @@ def linear_cross_entropy(
     if upcast:
         ops.append('["cast", "float32"]')
     tile = choose_tile_tokens(
-        vocab_size, hidden.dtype, upcast, tile_tokens=tile_tokens, tile_bytes=tile_bytes
+        vocab_size, hidden.dtype, upcast, tile_tokens=tile_tokens, tile_bytes=tile_bytes, device=hidden.device
     )
     if tile_tokens is None:
         tile = auto_tile(tile)

@@ -1,0 +1,46 @@
+"""The tile-size model: byte budget, automatic tiles, and the per-device default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICES
+
+from tile_pass import _tiling
+from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
+
+
+def test_byte_model_counts_the_documented_buffers():
+    assert tile_bytes_per_token(1000, torch.float32, upcast=True) == 1000 * 12
+    # bf16 logits + fp32 upcast + fp32 log-probs + fp32 grad + bf16 grad
+    assert tile_bytes_per_token(1000, torch.bfloat16, upcast=True) == 1000 * (2 + 4 + 4 + 4 + 2)
+    assert tile_bytes_per_token(1000, torch.bfloat16, upcast=False) == 1000 * (2 + 4 + 4 + 2)
+
+
+def test_budget_gives_the_tile():
+    assert (
+        choose_tile_tokens(32000, torch.float32, True, tile_bytes=64 << 20) == (64 << 20) // 384000 // 16 * 16
+    )
+    assert choose_tile_tokens(32000, torch.float32, True, tile_tokens=7) == 7
+    assert choose_tile_tokens(10**7, torch.float32, True, tile_bytes=1) == 16  # clamped
+    with pytest.raises(ValueError, match="tile_tokens"):
+        choose_tile_tokens(10, torch.float32, True, tile_tokens=0)
+
+
+def test_automatic_tiles_shrink_with_the_batch_and_cap_at_the_budget():
+    cap = auto_tile(688)
+    assert effective_tile(1024, cap) == 128  # >= 8 tiles, not below 128 tokens
+    assert effective_tile(4096, cap) == 512
+    assert effective_tile(1 << 20, cap) == 688  # large batches: the budget's tile, flat in N
+    assert effective_tile(100, cap) == 128  # one padded tile
+    assert effective_tile(40, cap) == 64
+    assert effective_tile(1024, 300) == 300  # an explicit tile is used as given
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_default_budget_per_device(device):
+    budget = _tiling.default_tile_bytes(device)
+    if device == "cpu":
+        assert budget == _tiling.DEFAULT_TILE_BYTES
+    else:
+        assert _tiling.GPU_MIN_TILE_BYTES <= budget <= _tiling.GPU_MAX_TILE_BYTES
