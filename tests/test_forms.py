@@ -309,3 +309,46 @@ def test_returned_logits_values_and_gradients(fn):
         assert_close_to_oracle(g, rg, torch.float32, "grad")
     handled = backend.report().rewrites[0].returned_logits
     assert ("written by the tiles" in handled) == (fn is returns_logits)
+
+
+# --------------------------------------------------------------------------------- autocast
+
+
+def autocast_head_float_loss(h, w, y):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(h, w)
+    return F.cross_entropy(logits.float().view(-1, V), y.view(-1))
+
+
+def autocast_whole_step(h, w, y):  # the loss inside autocast too: autocast runs it in float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(h, w)
+        return F.cross_entropy(logits.view(-1, V), y.view(-1), label_smoothing=0.1)
+
+
+def autocast_returns_logits(h, w, y):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(h, w)
+    return F.cross_entropy(logits.float().view(-1, V), y.view(-1)), logits
+
+
+@pytest.mark.parametrize("fn", [autocast_head_float_loss, autocast_whole_step], ids=lambda f: f.__name__)
+def test_autocast_head_is_tiled_like_eager_autocast(fn):
+    """Under autocast the rewrite casts the projection's inputs as autocast does: the loss and
+    gradients equal eager autocast's (same bf16 roundings), far closer than bf16 tolerance."""
+    backend = tile_pass.backend("aot_eager", tile_tokens=8)
+    h, w, y = fp32_inputs()
+    eager, eager_grads = value_and_grads(fn, leaves(h, w, y))
+    out, grads = value_and_grads(torch.compile(fn, backend=backend), leaves(h, w, y))
+    report = backend.report()
+    assert len(report.rewrites) == 1 and "autocast(bfloat16)" in report.rewrites[0].form, str(report)
+    assert out.dtype == eager.dtype == torch.float32
+    torch.testing.assert_close(out, eager, rtol=2e-3, atol=1e-4)
+    for g, e in zip(grads[:2], eager_grads[:2], strict=True):
+        assert g.dtype == e.dtype == torch.float32
+        torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-3 * e.abs().max().item())
+
+
+def test_autocast_with_returned_logits_is_reported():
+    report = tile_pass.explain(autocast_returns_logits, *fp32_inputs())
+    assert not report.rewrites and "autocast LM head are also returned" in report.skipped[0].reason

@@ -75,6 +75,7 @@ class Region:
     returned: torch.fx.Node | None  # a chain node that is also a graph output
     returned_same_shape: bool  # ... reached from the projection by row-wise ops only
     transpose: torch.fx.Node | None
+    autocast_dtype: torch.dtype | None  # the projection ran under autocast in this dtype
     num_tokens: int | torch.SymInt
     returned_ops: int  # how many of ``ops`` come before the returned node
     ignore_index: int
@@ -395,22 +396,24 @@ def match_region(loss: torch.fx.Node) -> Region:
     bias_val = _val(bias) if bias is not None else None
     if bias is not None and (bias_val is None or tuple(bias_val.shape) != (vocab_size,)):
         raise _NoMatch("the linear bias is not a [V] tensor")
-    dtypes = {hidden_val.dtype, weight_val.dtype, linear_val.dtype}
-    if bias_val is not None:
-        dtypes.add(bias_val.dtype)
-    if len(dtypes) != 1:
-        raise _NoMatch(
-            "the linear runs in a different dtype than its inputs (an autocast region?); "
-            "autocast around the LM head is not tiled yet"
-        )
     if not linear_val.is_floating_point():
         raise _NoMatch("the logits are not floating point")
+    input_dtypes = {hidden_val.dtype, weight_val.dtype} | (
+        {bias_val.dtype} if bias_val is not None else set()
+    )
+    autocast_dtype = None
+    if input_dtypes != {linear_val.dtype}:
+        # F.linear only accepts mixed or other dtypes under autocast, which casts its inputs
+        # to the autocast dtype: the rewrite makes those casts explicit.
+        if linear_val.dtype not in (torch.bfloat16, torch.float16):
+            raise _NoMatch(f"the linear's output dtype {linear_val.dtype} does not follow from its inputs")
+        autocast_dtype = linear_val.dtype
 
     # classify every op between the projection and the loss
     ops: list[list] = []
     slices: list[tuple] = []
     extras: list[torch.fx.Node] = []
-    steps = [head_form]
+    steps = [head_form if autocast_dtype is None else f"autocast({str(autocast_dtype)[6:]}) {head_form}"]
     regrouped = False  # a view has mixed leading dims: later slices cannot move to the hidden
     row_wise_only = [True]  # per chain position: reached from the projection by row-wise ops only
     ops_before = [0]  # per chain position: LossHead ops emitted up to and including it
@@ -447,6 +450,13 @@ def match_region(loss: torch.fx.Node) -> Region:
         ops_before.append(len(ops))
         previous = current
     ops += tail_ops
+    loss_val = _val(loss)
+    expected = torch.float32 if tail_ops else _val(previous).dtype
+    if loss_val is not None and loss_val.dtype != expected:
+        if loss_val.dtype != torch.float32:
+            raise _NoMatch(f"the loss computes in {loss_val.dtype}, not in its input's dtype")
+        ops.append(["cast", "float32"])  # autocast runs the loss in float32
+        steps.append("float32 (autocast)")
     steps.append(
         ("log_softmax + nll_loss" if erase else "cross_entropy")
         + f"(reduction={options['reduction']}, ignore_index={options['ignore_index']}"
@@ -470,6 +480,11 @@ def match_region(loss: torch.fx.Node) -> Region:
                 f"the logits are also consumed by {', '.join(_describe(u) for u in others)}, so they "
                 "must exist whole; compute that from the loss or drop it to get the tiled loss"
             )
+    if returned is not None and autocast_dtype is not None:
+        raise _NoMatch(
+            "the logits of an autocast LM head are also returned; that combination is not tiled yet "
+            "(compute the loss outside autocast, or return the logits after the loss)"
+        )
     return Region(
         loss=loss,
         erase=erase,
@@ -486,6 +501,7 @@ def match_region(loss: torch.fx.Node) -> Region:
         returned=returned,
         returned_same_shape=returned_same_shape,
         transpose=transpose,
+        autocast_dtype=autocast_dtype,
         num_tokens=logits_val.shape[0],
         returned_ops=returned_ops,
         ignore_index=options["ignore_index"],
@@ -543,12 +559,16 @@ def _rewrite(
         and region.reduction != "none"
     )
     with graph.inserting_before(loss):
-        hidden = region.hidden
+        hidden, weight, bias = region.hidden, region.weight, region.bias
         for index in region.slices:
             hidden = graph.call_function(operator.getitem, (hidden, index))
+        if region.autocast_dtype is not None:  # what autocast does to F.linear's inputs
+            hidden, weight = (graph.call_method("to", (t, region.autocast_dtype)) for t in (hidden, weight))
+            if bias is not None:
+                bias = graph.call_method("to", (bias, region.autocast_dtype))
         tiled = graph.call_function(
             tiled_region_loss,
-            (hidden, region.weight, region.bias, region.target, list(region.extras)),
+            (hidden, weight, bias, region.target, list(region.extras)),
             {
                 "head_spec": json.dumps(region.ops),
                 "ignore_index": region.ignore_index,
