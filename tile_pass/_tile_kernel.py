@@ -130,6 +130,23 @@ class KernelKey:
     compiled: bool = False  # compile the elementwise middle (softmax, loss, dlogits) with Inductor
 
 
+def _inputs_of(key: KernelKey) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The traced tile function's positional inputs: name, shape, dtype. The one place that
+    says which optional inputs (bias, extras, accumulators) the graph takes, and in what order."""
+    T, H, V = key.tile, key.hidden_size, key.vocab_size
+    inputs = [("hidden", (T, H), key.hidden_dtype), ("weight", (V, H), key.weight_dtype)]
+    if key.bias_dtype is not None:
+        inputs.append(("bias", (V,), key.bias_dtype))
+    inputs.append(("target", (T,), key.target_dtype))
+    inputs += [(f"extra_{i}", shape, dtype) for i, (shape, dtype) in enumerate(key.extras)]
+    inputs.append(("coef", (T,), key.acc_dtype))
+    if key.need_weight:
+        inputs.append(("weight_acc", (V, H), key.acc_dtype))
+    if key.need_bias:
+        inputs.append(("bias_acc", (V,), key.acc_dtype))
+    return inputs
+
+
 class TileKernel:
     """A traced tile function: ``(h, W, b, y, coef, dW_acc, db_acc) -> (losses, dh, logits)``.
 
@@ -142,17 +159,13 @@ class TileKernel:
     def __init__(self, key: KernelKey, graph_module: torch.fx.GraphModule):
         self.key = key
         self.graph_module = graph_module
+        self._names = [name for name, _, _ in _inputs_of(key)]
 
     def __call__(self, hidden, weight, bias, target, extras, coef, weight_acc, bias_acc):
-        args = [hidden, weight]
-        if self.key.bias_dtype is not None:
-            args.append(bias)
-        args += [target, *extras, coef]
-        if self.key.need_weight:
-            args.append(weight_acc)
-        if self.key.need_bias:
-            args.append(bias_acc)
-        out = list(self.graph_module(*args))
+        given = dict(hidden=hidden, weight=weight, bias=bias, target=target, coef=coef,
+                     weight_acc=weight_acc, bias_acc=bias_acc)  # fmt: skip
+        given.update((f"extra_{i}", e) for i, e in enumerate(extras))
+        out = list(self.graph_module(*(given[name] for name in self._names)))
         losses = out.pop(0)
         grad_hidden = out.pop(0) if self.key.need_hidden else None
         kept = out.pop(0) if self.key.keep_logits_after >= 0 else None
@@ -160,17 +173,14 @@ class TileKernel:
 
 
 def _joint_function(key: KernelKey):
-    has_bias = key.bias_dtype is not None
+    names = [name for name, _, _ in _inputs_of(key)]
 
     def joint(*args):
-        args = list(args)
-        hidden, weight = args.pop(0), args.pop(0)
-        bias = args.pop(0) if has_bias else None
-        target = args.pop(0)
-        extras = [args.pop(0) for _ in key.extras]
-        coef = args.pop(0)
-        weight_acc = args.pop(0) if key.need_weight else None
-        bias_acc = args.pop(0) if key.need_bias else None
+        given = dict(zip(names, args, strict=True))
+        hidden, weight, bias = given["hidden"], given["weight"], given.get("bias")
+        target, coef = given["target"], given["coef"]
+        extras = [given[f"extra_{i}"] for i in range(len(key.extras))]
+        weight_acc, bias_acc = given.get("weight_acc"), given.get("bias_acc")
 
         wanted = []
         with torch.enable_grad():
@@ -203,21 +213,7 @@ def _joint_function(key: KernelKey):
 
 
 def _example_inputs(key: KernelKey) -> list[torch.Tensor]:
-    T, H, V, dev = key.tile, key.hidden_size, key.vocab_size, key.device
-    inputs = [
-        torch.empty(T, H, dtype=key.hidden_dtype, device=dev),
-        torch.empty(V, H, dtype=key.weight_dtype, device=dev),
-    ]
-    if key.bias_dtype is not None:
-        inputs.append(torch.empty(V, dtype=key.bias_dtype, device=dev))
-    inputs.append(torch.zeros(T, dtype=key.target_dtype, device=dev))
-    inputs += [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype in key.extras]
-    inputs.append(torch.empty(T, dtype=key.acc_dtype, device=dev))
-    if key.need_weight:
-        inputs.append(torch.empty(V, H, dtype=key.acc_dtype, device=dev))
-    if key.need_bias:
-        inputs.append(torch.empty(V, dtype=key.acc_dtype, device=dev))
-    return inputs
+    return [torch.zeros(shape, dtype=dtype, device=key.device) for _, shape, dtype in _inputs_of(key)]
 
 
 def _strip_transpose_pairs(node: torch.fx.Node) -> torch.fx.Node:
