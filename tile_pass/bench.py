@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tile_pass._measure import MiB, lm_head_loss, peak_memory, reset_peak_memory, run_fresh
+from tile_pass._measure import MiB, StepConfig, lm_head_loss, peak_memory, reset_peak_memory, run_fresh
 
 #: Every implementation the benchmark knows. CPU-only runs use :func:`default_impls`.
 IMPLS = ("eager", "inductor", "autochunker", "torch_chunked", "cce", "tile_pass", "liger", "cce_kernel")
@@ -54,19 +54,12 @@ _LOGITS_COPIES = {"eager": 4.0, "inductor": 3.0, "autochunker": 3.0, "gemm_floor
 
 
 @dataclass
-class BenchConfig:
-    """One measurement: an implementation at one shape and dtype (serialised to the child)."""
+class BenchConfig(StepConfig):
+    """One measurement: an implementation at one shape and dtype (serialised to the child).
 
-    impl: str = "tile_pass"
-    tokens: int = 4096
-    hidden: int = 1024
-    vocab: int = 32000
-    dtype: str = "float32"
-    device: str = "cpu"
-    tile_tokens: int | None = None
-    tile_bytes: int | None = None
-    repeats: int = 3
-    seed: int = 0
+    ``impl`` names a benchmark implementation (see ``IMPLS``); ``inner`` is unused here.
+    """
+
     check: bool = True
     dynamic_lengths: list[int] = field(default_factory=list)  # non-empty: the dynamic-shape check
 
