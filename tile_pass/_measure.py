@@ -75,6 +75,22 @@ def peak_memory(device: torch.device) -> int:
     return _rss_kib("VmHWM") * 1024
 
 
+def measure_steps(step, device: torch.device, repeats: int) -> tuple[list[float], int, torch.Tensor]:
+    """Run ``step`` ``repeats`` times (it clears the grads itself): sorted seconds, the peak
+    bytes of the first run above what was in use before it, and the last loss."""
+    times, peak_above, loss = [], 0, None
+    for i in range(max(1, repeats)):
+        base = reset_peak_memory(device)
+        t0 = time.perf_counter()
+        loss = step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        if i == 0:
+            peak_above = peak_memory(device) - base
+    return sorted(times), peak_above, loss
+
+
 def run_step(config: StepConfig) -> dict:
     """Compile (if asked), warm up, then measure; in the current process."""
     import tile_pass
@@ -112,20 +128,9 @@ def run_step(config: StepConfig) -> dict:
     t0 = time.perf_counter()
     loss = step()
     compile_and_first = time.perf_counter() - t0
-    times = []
-    peak_above = 0
-    for i in range(max(1, config.repeats)):
-        hidden.grad = None
-        weight.grad = None
-        base = reset_peak_memory(device)
-        t0 = time.perf_counter()
-        loss = step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        if i == 0:
-            peak_above = peak_memory(device) - base
-    times.sort()
+    hidden.grad = None
+    weight.grad = None
+    times, peak_above, loss = measure_steps(step, device, config.repeats)
     return {
         **asdict(config),
         "loss": float(loss),

@@ -40,7 +40,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tile_pass._measure import MiB, StepConfig, lm_head_loss, peak_memory, reset_peak_memory, run_fresh
+from tile_pass._measure import (
+    MiB,
+    StepConfig,
+    lm_head_loss,
+    measure_steps,
+    run_fresh,
+)
 
 #: Every implementation the benchmark knows. CPU-only runs use :func:`default_impls`.
 IMPLS = ("eager", "inductor", "autochunker", "torch_chunked", "cce", "tile_pass", "liger", "cce_kernel")
@@ -288,18 +294,9 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
         _sync(device)
         first = time.perf_counter() - t0
     graphs_after_first = _graph_count()
-    times: list[float] = []
-    peak = 0
-    for i in range(max(1, cfg.repeats)):
-        hidden.grad = None
-        weight.grad = None
-        base = reset_peak_memory(device)
-        t0 = time.perf_counter()
-        loss = step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        if i == 0:
-            peak = peak_memory(device) - base
+    hidden.grad = None
+    weight.grad = None
+    times, peak, loss = measure_steps(step, device, cfg.repeats)
     median = statistics.median(times)
     notes = []
     fallback = [str(w.message) for w in caught if "linear_cross_entropy" in str(w.message)]
