@@ -15,6 +15,10 @@ def test_byte_model_counts_the_documented_buffers():
     # bf16 logits + fp32 upcast + fp32 log-probs + fp32 grad + bf16 grad
     assert tile_bytes_per_token(1000, torch.bfloat16, upcast=True) == 1000 * (2 + 4 + 4 + 4 + 2)
     assert tile_bytes_per_token(1000, torch.bfloat16, upcast=False) == 1000 * (2 + 4 + 4 + 2)
+    # compiled tiles: the gradient is stored over the logits tile, one buffer in the model dtype
+    assert tile_bytes_per_token(1000, torch.float32, upcast=True, fused=True) == 1000 * 4
+    assert tile_bytes_per_token(1000, torch.bfloat16, upcast=True, fused=True) == 1000 * 2
+    assert choose_tile_tokens(1000, torch.bfloat16, True, tile_bytes=2000 * 64, fused=True) == 64
 
 
 def test_budget_gives_the_tile():

@@ -19,6 +19,7 @@ Two details make that graph usable inside a custom op at run time:
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import json
 import threading
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
+
+from tile_pass._logging import log
 
 aten = torch.ops.aten
 
@@ -301,21 +304,107 @@ def _split_at_gemms(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
 
 
 class _Compiled(torch.nn.Module):
-    """Holds an Inductor-compiled function where the split graph expects a submodule."""
+    """Holds an Inductor-compiled function where the split graph expects a submodule.
 
-    def __init__(self, fn):
+    With ``overwritten=(i, j)`` the compiled function stores its ``j``-th output over its
+    ``i``-th input instead of returning it; the wrapper puts that input back at position
+    ``j`` (``j=None``: it was the only output) so the callers see the original outputs.
+    """
+
+    def __init__(self, fn, overwritten: tuple[int, int | None] | None = None):
         super().__init__()
         self.fn = fn
+        self.overwritten = overwritten
 
     def forward(self, *args):
-        return self.fn(*args)
+        outputs = self.fn(*args)
+        if self.overwritten is None:
+            return outputs
+        arg, position = self.overwritten
+        if position is None:  # the overwritten input was the only output
+            return args[arg]
+        outputs = list(outputs)
+        outputs.insert(position, args[arg])
+        return tuple(outputs)
 
 
-def _compile_middle(split: torch.fx.GraphModule, key: KernelKey) -> None:
-    """Compile ``split.submod_1`` with Inductor (no Dynamo: it is already an aten graph)."""
+def _aliases_of(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """``node`` and every view taken of it (transitively)."""
+    found, todo = {node}, [node]
+    while todo:
+        for user in todo.pop().users:
+            if user.target in _VIEWS and user not in found:
+                found.add(user)
+                todo.append(user)
+    return found
+
+
+def _store_grad_over_logits(
+    split: torch.fx.GraphModule, logits_name: str
+) -> tuple[torch.fx.GraphModule, tuple[int, int | None]] | None:
+    """The middle rewritten to write the logits gradient over the logits tile it read.
+
+    The logits tile is dead once the middle has read it, and the gradient has its shape,
+    dtype and layout, so one ``[tile, V]`` buffer serves both: the tile keeps one buffer
+    alive instead of two (four for a half-precision head), and the fused kernel writes to
+    memory that is already mapped. Inductor lowers the trailing ``copy_`` into a store of
+    the fused kernel, after the row's reductions have read it.
+
+    ``None`` where that is not provably safe: the logits are used outside the middle (a graph
+    that also returns them), or an output of the middle aliases them, or no single output
+    matches the tile's shape, dtype and strides.
+    """
+    call = next((n for n in split.graph.nodes if n.op == "call_module" and n.target == "submod_1"), None)
+    middle = split.submod_1
+    placeholders = [n for n in middle.graph.nodes if n.op == "placeholder"]
+    index = next((i for i, n in enumerate(placeholders) if n.name == logits_name), None)
+    if call is None or index is None or len(call.args[index].users) != 1:
+        return None
+    logits = placeholders[index]
+    output = next(n for n in middle.graph.nodes if n.op == "output")
+    single = isinstance(output.args[0], torch.fx.Node)
+    results = [output.args[0]] if single else list(output.args[0])
+    if _aliases_of(logits) & set(results):
+        return None
+    tile = logits.meta.get("val")
+
+    def same_buffer_shape(node):
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        return (
+            isinstance(val, torch.Tensor)
+            and val.shape == tile.shape
+            and val.dtype == tile.dtype
+            and val.stride() == tile.stride()
+        )
+
+    matches = [i for i, node in enumerate(results) if same_buffer_shape(node)]
+    if not isinstance(tile, torch.Tensor) or len(matches) != 1:
+        return None
+    position = matches[0]
+    rewritten = copy.deepcopy(middle)
+    graph = rewritten.graph
+    new_placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    new_output = next(n for n in graph.nodes if n.op == "output")
+    new_results = [new_output.args[0]] if single else list(new_output.args[0])
+    with graph.inserting_before(new_output):
+        graph.call_function(aten.copy_.default, (new_placeholders[index], new_results[position]))
+    new_output.args = (tuple(r for i, r in enumerate(new_results) if i != position),)
+    graph.lint()
+    rewritten.recompile()
+    return rewritten, (index, None if single else position)
+
+
+def _compile_middle(split: torch.fx.GraphModule, key: KernelKey, logits_name: str) -> None:
+    """Compile ``split.submod_1`` with Inductor (no Dynamo: it is already an aten graph),
+    storing the logits gradient over the logits tile where that is safe."""
     from torch._inductor.compile_fx import compile_fx
 
-    middle = split.submod_1
+    middle, overwritten = split.submod_1, None
+    in_place = _store_grad_over_logits(split, logits_name)
+    if in_place is not None:
+        middle, overwritten = in_place
+    else:
+        log.debug("the logits gradient of tile %s gets its own buffer", key)
     example = []
     for node in middle.graph.nodes:
         if node.op != "placeholder":
@@ -325,7 +414,7 @@ def _compile_middle(split: torch.fx.GraphModule, key: KernelKey) -> None:
             raise RuntimeError("tile_pass: the tile graph lost its shape metadata")
         example.append(torch.zeros(val.shape, dtype=val.dtype, device=key.device))
     with torch.no_grad():
-        split.submod_1 = _Compiled(compile_fx(middle, example))
+        split.submod_1 = _Compiled(compile_fx(middle, example), overwritten)
 
 
 def _trace(key: KernelKey) -> TileKernel:
@@ -334,9 +423,10 @@ def _trace(key: KernelKey) -> TileKernel:
     gm = make_fx(_joint_function(key), tracing_mode="fake")(*inputs)
     _accumulate_weight_grad_in_place(gm)
     if key.compiled:
+        logits = next((n for n in gm.graph.nodes if n.target in _GEMMS), None)
         split = _split_at_gemms(gm)
         if split is not None:
-            _compile_middle(split, key)
+            _compile_middle(split, key, logits.name)
             gm = split
     return TileKernel(key, gm)
 

@@ -1,18 +1,21 @@
 """Tile size from a byte budget.
 
-The tiled loss keeps, per token of a tile, these ``[tile, V]`` buffers alive at once
-(the byte model the budget is divided by):
+The byte model the budget is divided by is the ``[tile, V]`` buffers one tile keeps alive
+at once, per token of the tile:
 
-* the logits tile in the model dtype (``s`` bytes per element),
-* its float32 upcast, when the loss upcasts a half-precision tile (4 bytes),
-* the float32 log-probabilities saved by ``log_softmax`` (4 bytes),
-* the float32 gradient of the logits tile (4 bytes),
-* the gradient cast back to the model dtype, when that is not float32 (``s`` bytes).
+* **Compiled tiles** (``compile_tiles``, the default under Inductor): one buffer, the
+  logits tile in the model dtype (``s`` bytes per element). Inductor fuses the upcast,
+  softmax, loss and logits gradient into one pass per row and stores the gradient over the
+  logits it has read (``_tile_kernel._store_grad_over_logits``); the two backward GEMMs
+  read it from there. ``bytes_per_token = V * s``.
+* **Eager tiles**: the logits tile (``s``), its float32 upcast when a half-precision tile
+  is upcast (4), the float32 log-probabilities saved by ``log_softmax`` (4), the float32
+  gradient of the logits (4) and, when the model dtype is not float32, that gradient cast
+  back (``s``): ``bytes_per_token = V * (s + 4 + 4 + [4 + s if s != 4])``.
 
-So ``bytes_per_token = V * (s + 4 + 4 + [4 + s if s != 4])``; the budget divided by that,
-rounded down to a multiple of 16 tokens and clamped to ``[16, 65536]``, is the largest
-tile. The sequence length never enters the compiled graph, so one graph serves every ``N``
-under ``dynamic=True`` without guards.
+The budget divided by that, rounded down to a multiple of 16 tokens and clamped to
+``[16, 65536]``, is the largest tile. The sequence length never enters the compiled graph,
+so one graph serves every ``N`` under ``dynamic=True`` without guards.
 
 At run time (:func:`effective_tile`), a batch whose logits are small next to the budget is
 cut into at least ``MIN_TILES`` tiles of a power-of-two size (but not below
@@ -44,9 +47,14 @@ MIN_TILES = 8
 MIN_AUTO_TILE = 128
 
 
-def tile_bytes_per_token(vocab_size: int, logits_dtype: torch.dtype, upcast: bool) -> int:
-    """Bytes of ``[1, V]`` buffers one token of a tile keeps alive (see module docstring)."""
+def tile_bytes_per_token(
+    vocab_size: int, logits_dtype: torch.dtype, upcast: bool, fused: bool = False
+) -> int:
+    """Bytes of ``[1, V]`` buffers one token of a tile keeps alive (see module docstring);
+    ``fused``: the tile's middle is compiled and writes the gradient over the logits."""
     itemsize = torch.empty((), dtype=logits_dtype).element_size()
+    if fused:
+        return vocab_size * itemsize
     per_element = itemsize + 4 + 4  # logits, fp32 log-probs, fp32 gradient
     if itemsize != 4:
         per_element += itemsize  # gradient cast back to the model dtype
@@ -74,9 +82,11 @@ def choose_tile_tokens(
     tile_tokens: int | None = None,
     tile_bytes: int | None = None,
     device: torch.device | str | None = None,
+    fused: bool = False,
 ) -> int:
     """The number of tokens per tile: ``tile_tokens`` if given, else from ``tile_bytes``
-    (default: :func:`default_tile_bytes` for ``device``)."""
+    (default: :func:`default_tile_bytes` for ``device``) and the byte model (``fused``:
+    compiled tiles, see :func:`tile_bytes_per_token`)."""
     if tile_tokens is not None:
         if tile_tokens < 1:
             raise ValueError(f"tile_tokens must be a positive integer, got {tile_tokens}")
@@ -84,7 +94,7 @@ def choose_tile_tokens(
     budget = default_tile_bytes(device) if tile_bytes is None else int(tile_bytes)
     if budget <= 0:
         raise ValueError(f"tile_bytes must be positive, got {tile_bytes}")
-    per_token = tile_bytes_per_token(vocab_size, logits_dtype, upcast)
+    per_token = tile_bytes_per_token(vocab_size, logits_dtype, upcast, fused)
     tokens = budget // max(per_token, 1)
     tokens = (tokens // _MIN_TILE) * _MIN_TILE
     return max(_MIN_TILE, min(_MAX_TILE, tokens))

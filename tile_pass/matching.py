@@ -655,6 +655,7 @@ def rewrite_graph(
         tile = choose_tile_tokens(
             optimization_hint(vocab_size, fallback=32768), dtype, region.upcast,
             tile_tokens=tile_tokens, tile_bytes=tile_bytes, device=_val(region.linear).device,
+            fused=compile_tiles,
         )  # fmt: skip
         if tile_tokens is None:
             tile = auto_tile(tile)

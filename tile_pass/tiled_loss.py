@@ -464,8 +464,9 @@ def linear_cross_entropy(
     if upcast:
         ops.append('["cast", "float32"]')
     tile = choose_tile_tokens(
-        vocab_size, hidden.dtype, upcast, tile_tokens=tile_tokens, tile_bytes=tile_bytes, device=hidden.device
-    )
+        vocab_size, hidden.dtype, upcast, tile_tokens=tile_tokens, tile_bytes=tile_bytes,
+        device=hidden.device, fused=compile_tiles,
+    )  # fmt: skip
     if tile_tokens is None:
         tile = auto_tile(tile)
     return tiled_region_loss(

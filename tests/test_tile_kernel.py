@@ -1,0 +1,89 @@
+"""The traced tile function: compiled tiles store the logits gradient over the logits tile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tile_pass._tile_kernel import KernelKey, LossHead, _Compiled, tile_kernel
+
+T, H, V = 32, 16, 96
+
+
+def key_for(dtype, ops=(), bias=False, keep_logits_after=-1, compiled=True, need_hidden=True):
+    return KernelKey(
+        head=LossHead(tuple(ops), ignore_index=-100, label_smoothing=0.1),
+        tile=T,
+        hidden_size=H,
+        vocab_size=V,
+        hidden_dtype=dtype,
+        weight_dtype=dtype,
+        bias_dtype=dtype if bias else None,
+        target_dtype=torch.int64,
+        extras=(),
+        device=torch.device("cpu"),
+        need_hidden=need_hidden,
+        need_weight=True,
+        need_bias=bias,
+        acc_dtype=torch.float32,
+        keep_logits_after=keep_logits_after,
+        compiled=compiled,
+    )
+
+
+def make_inputs(key, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = key.hidden_dtype
+    hidden = torch.randn(T, H, generator=gen).to(dtype)
+    weight = torch.randn(V, H, generator=gen).to(dtype)
+    bias = torch.randn(V, generator=gen).to(dtype) if key.bias_dtype is not None else None
+    target = torch.randint(0, V, (T,), generator=gen)
+    target[::5] = -100
+    coef = torch.rand(T, generator=gen)
+    weight_acc = torch.randn(V, H, generator=gen)  # accumulation adds to what is there
+    bias_acc = torch.randn(V, generator=gen) if bias is not None else None
+    return hidden, weight, bias, target, [], coef, weight_acc, bias_acc
+
+
+def run(key):
+    """(losses, grad hidden, weight sum, bias sum, kept logits) of one tile."""
+    inputs = make_inputs(key)
+    losses, grad_hidden, kept = tile_kernel(key)(*inputs)
+    return losses, grad_hidden, inputs[6], inputs[7], kept
+
+
+def middle_of(key):
+    middle = tile_kernel(key).graph_module.get_submodule("submod_1")
+    assert isinstance(middle, _Compiled)
+    return middle
+
+
+CASES = {
+    "float32": dict(dtype=torch.float32),
+    "bf16-upcast-bias": dict(dtype=torch.bfloat16, ops=(("cast", "float32"),), bias=True),
+    "softcap": dict(dtype=torch.float32, ops=(("div", 30.0), ("tanh",), ("mul", 30.0))),
+    "no-hidden-grad": dict(dtype=torch.float32, need_hidden=False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_middle_overwrites_the_logits_tile_and_matches_eager(case):
+    options = CASES[case]
+    assert middle_of(key_for(**options)).overwritten is not None
+    compiled = run(key_for(**options))
+    eager = run(key_for(**options, compiled=False))
+    tol = dict(rtol=2e-2, atol=2e-2) if options["dtype"] == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    for got, want in zip(compiled, eager, strict=True):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_returned_logits_keep_their_own_buffer():
+    """A graph that also returns the logits needs them intact: no overwrite there."""
+    key = key_for(torch.float32, keep_logits_after=0)
+    assert middle_of(key).overwritten is None
+    hidden, weight, *_ = make_inputs(key)
+    kept = run(key)[4]
+    torch.testing.assert_close(kept, hidden @ weight.T)
