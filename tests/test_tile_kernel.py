@@ -87,3 +87,19 @@ def test_returned_logits_keep_their_own_buffer():
     hidden, weight, *_ = make_inputs(key)
     kept = run(key)[4]
     torch.testing.assert_close(kept, hidden @ weight.T)
+
+
+def test_half_precision_weight_gradient_is_added_by_a_compiled_kernel():
+    """bf16 tile gradient into the float32 sum: one fused Inductor pass, not eager mixed-dtype add_."""
+    key = key_for(**CASES["bf16-upcast-bias"])
+    modules = dict(tile_kernel(key).graph_module.named_modules())
+    assert any(name.rsplit(".", 1)[-1].startswith("_accumulate_") for name in modules)
+    eager_adds = [
+        node
+        for module in modules.values()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.target is torch.ops.aten.add_.Tensor
+        and node.args[0].meta["val"].dtype != node.args[1].meta["val"].dtype
+    ]
+    assert not eager_adds
