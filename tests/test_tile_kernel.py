@@ -103,3 +103,22 @@ def test_half_precision_weight_gradient_is_added_by_a_compiled_kernel():
         and node.args[0].meta["val"].dtype != node.args[1].meta["val"].dtype
     ]
     assert not eager_adds
+
+
+def test_short_last_tile_runs_the_next_power_of_two_kernel():
+    """84 tokens in tiles of 64: one 64-token tile, then 20 tokens in a 32-token kernel
+    (not padded to 64), and the result is still the eager loss."""
+    from tile_pass import _tile_kernel, linear_cross_entropy
+
+    hidden = torch.randn(84, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 8, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 50, (84,))
+    loss = linear_cross_entropy(hidden, weight, target, tile_tokens=64)
+    tiles = {k.tile for k in _tile_kernel._cache if k.hidden_size == 8 and k.vocab_size == 50}
+    assert {64, 32} <= tiles and 128 not in tiles
+    expected = torch.nn.functional.cross_entropy(hidden @ weight.T, target)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

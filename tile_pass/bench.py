@@ -323,6 +323,8 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
         first_call_s=first,
         compile_s=max(0.0, first - median),
         peak_mib=peak / MiB,
+        # what the step needs beyond the gradients it must return (hidden and weight, model dtype)
+        extra_mib=(peak - (cfg.tokens + cfg.vocab) * cfg.hidden * itemsize) / MiB,
         graphs=_graph_count(),
         recompiles=max(0, _graph_count() - 1),
         steady_new_graphs=_graph_count() - graphs_after_first,
@@ -425,6 +427,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["time_x_inductor"] = row["median_s"] / base["median_s"]
             if row.get("peak_mib") is not None and base.get("peak_mib"):
                 row["mem_x_inductor"] = row["peak_mib"] / base["peak_mib"]
+            if row.get("extra_mib") is not None and base.get("extra_mib"):
+                row["extra_x_inductor"] = row["extra_mib"] / base["extra_mib"]
             if row["impl"] != FLOOR and base.get("compile_s"):
                 row["compile_x_inductor"] = row["compile_s"] / base["compile_s"]
         if floor is not None:
@@ -500,6 +504,7 @@ COLUMNS = (
     ("dtype", "dtype", "{}"),
     ("median_s", "step s", "{:.3f}"),
     ("peak_mib", "peak MiB", "{:.0f}"),
+    ("extra_mib", "extra MiB", "{:.0f}"),
     ("compile_s", "compile s", "{:.1f}"),
     ("recompiles", "recomp", "{}"),
     ("err_loss", "err loss", "{:.1e}"),
@@ -507,6 +512,7 @@ COLUMNS = (
     ("err_dw", "err dW", "{:.1e}"),
     ("time_x_inductor", "time/ind", "{:.2f}"),
     ("mem_x_inductor", "mem/ind", "{:.2f}"),
+    ("extra_x_inductor", "extra/ind", "{:.3f}"),
     ("compile_x_inductor", "compile/ind", "{:.2f}"),
     ("time_x_floor", "time/floor", "{:.2f}"),
     ("note", "note", "{}"),
@@ -519,7 +525,7 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     value = row.get(key)
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    if row["impl"] == FLOOR and key in ("peak_mib", "compile_s"):
+    if row["impl"] == FLOOR and key in ("peak_mib", "extra_mib", "compile_s"):
         return "-"
     return fmt.format(value)
 

@@ -20,6 +20,7 @@ The count of valid tokens is a tensor, so nothing in here synchronises with the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -76,25 +77,23 @@ def _run_tiles(
     num_tokens, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     tile = effective_tile(num_tokens, tile_tokens)
-    kernel = tile_kernel(
-        KernelKey(
-            head=head,
-            tile=tile,
-            hidden_size=hidden_size,
-            vocab_size=vocab_size,
-            hidden_dtype=hidden.dtype,
-            weight_dtype=weight.dtype,
-            bias_dtype=None if bias is None else bias.dtype,
-            target_dtype=target.dtype,
-            extras=tuple((tuple(e.shape), e.dtype) for e in extras),
-            device=hidden.device,
-            need_hidden=need_hidden,
-            need_weight=need_weight,
-            need_bias=need_bias,
-            acc_dtype=coef.dtype,
-            keep_logits_after=keep_logits_after,
-            compiled=compile_tiles,
-        )
+    key = KernelKey(
+        head=head,
+        tile=tile,
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        hidden_dtype=hidden.dtype,
+        weight_dtype=weight.dtype,
+        bias_dtype=None if bias is None else bias.dtype,
+        target_dtype=target.dtype,
+        extras=tuple((tuple(e.shape), e.dtype) for e in extras),
+        device=hidden.device,
+        need_hidden=need_hidden,
+        need_weight=need_weight,
+        need_bias=need_bias,
+        acc_dtype=coef.dtype,
+        keep_logits_after=keep_logits_after,
+        compiled=compile_tiles,
     )
     acc = coef.dtype
     total = hidden.new_zeros((), dtype=acc)
@@ -105,11 +104,15 @@ def _run_tiles(
     for start in range(0, num_tokens, tile):
         stop = min(start + tile, num_tokens)
         rows = stop - start
+        # a short last tile runs a kernel of the next power of two above it (a bounded set
+        # of sizes), padded with ignored tokens of zero weight, rather than a full padded tile
+        size = tile if rows == tile else effective_tile(rows, tile)
+        kernel = tile_kernel(dataclasses.replace(key, tile=size))
         h_t, y_t, c_t = hidden[start:stop], target[start:stop], coef[start:stop]
-        if rows < tile:  # pad the last tile with ignored tokens of zero weight
-            h_t = torch.cat([h_t, h_t.new_zeros(tile - rows, hidden_size)])
-            y_t = torch.cat([y_t, y_t.new_full((tile - rows,), head.ignore_index)])
-            c_t = torch.cat([c_t, c_t.new_zeros(tile - rows)])
+        if rows < size:
+            h_t = torch.cat([h_t, h_t.new_zeros(size - rows, hidden_size)])
+            y_t = torch.cat([y_t, y_t.new_full((size - rows,), head.ignore_index)])
+            c_t = torch.cat([c_t, c_t.new_zeros(size - rows)])
         losses, grad_h_t, logits_t = kernel(h_t, weight, bias, y_t, extras, c_t, weight_acc, bias_acc)
         if logits_t is not None:
             logits_out[start:stop] = logits_t[:rows]
