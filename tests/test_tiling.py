@@ -33,7 +33,8 @@ def test_budget_gives_the_tile():
 
 def test_automatic_tiles_shrink_with_the_batch_and_cap_at_the_budget():
     cap = auto_tile(688)
-    assert effective_tile(1024, cap) == 128  # >= 8 tiles, not below 128 tokens
+    assert effective_tile(1024, cap) == 256  # not below 256 tokens, even if that is < 8 tiles
+    assert effective_tile(2048, cap) == 256  # >= 8 tiles
     assert effective_tile(4096, cap) == 512
     assert effective_tile(1 << 20, cap) == 688  # large batches: the budget's tile, flat in N
     assert effective_tile(100, cap) == 128  # one padded tile

@@ -42,6 +42,7 @@ class StepConfig:
     tile_bytes: int | None = None
     repeats: int = 3
     seed: int = 0
+    ignore_every: int = 7  # every k-th label is ignore_index (0: none)
 
 
 def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -128,7 +129,8 @@ def run_step(config: StepConfig) -> dict:
         torch.randn(config.vocab, config.hidden, device=device, dtype=dtype) / config.hidden**0.5
     )
     labels = torch.randint(0, config.vocab, (config.tokens,), device=device)
-    labels[::7] = -100
+    if config.ignore_every:
+        labels[:: config.ignore_every] = -100
 
     if config.impl == "eager":
         fn = lm_head_loss

@@ -43,8 +43,9 @@ _MIN_TILE = 16
 _MAX_TILE = 65536
 #: a batch is cut into at least this many tiles when the budget would allow fewer
 MIN_TILES = 8
-#: ...but automatic tiles are not made smaller than this (GEMM efficiency)
-MIN_AUTO_TILE = 128
+#: ...but automatic tiles are not made smaller than this: this CPU runs 128-row GEMMs at
+#: ~140 GFLOP/s against ~180 for 256 rows and up, and small batches have small logits anyway
+MIN_AUTO_TILE = 256
 
 
 def tile_bytes_per_token(

@@ -72,8 +72,58 @@ def _run_tiles(
 ):
     """Run every tile; return (loss sum, grad hidden, grad weight, grad bias).
 
-    Sums are kept in ``coef.dtype`` (the accumulation dtype).
+    Sums are kept in ``coef.dtype`` (the accumulation dtype). Tokens whose label is
+    ``ignore_index`` contribute nothing to any of them, so where finding them costs no
+    device synchronisation (CPU) they are left out of the tiles altogether: a batch with a
+    masked prompt or padding runs only the GEMMs of its labelled tokens. Their per-token
+    loss and hidden gradient are zero, as in eager.
     """
+    rows = _labelled_rows(target, head.ignore_index, keep_logits_after)
+    if rows is None:
+        return _run_tile_loop(
+            hidden, weight, bias, target, extras, coef, head, tile_tokens, compile_tiles, need_hidden,
+            need_weight, need_bias, token_losses_out, logits_out, keep_logits_after,
+        )  # fmt: skip
+    losses = None if token_losses_out is None else token_losses_out.new_empty(rows.shape)
+    total, grad_hidden, grad_weight, grad_bias = _run_tile_loop(
+        hidden.index_select(0, rows), weight, bias, target.index_select(0, rows), extras,
+        coef.index_select(0, rows), head, tile_tokens, compile_tiles, need_hidden, need_weight,
+        need_bias, losses,
+    )  # fmt: skip
+    if token_losses_out is not None:
+        token_losses_out.zero_().index_copy_(0, rows, losses)
+    if grad_hidden is not None:
+        grad_hidden = torch.zeros_like(hidden).index_copy_(0, rows, grad_hidden)
+    return total, grad_hidden, grad_weight, grad_bias
+
+
+def _labelled_rows(target: torch.Tensor, ignore_index: int, keep_logits_after: int) -> torch.Tensor | None:
+    """Indices of the tokens that carry a label, or ``None`` to run every token: on an
+    accelerator (finding them would synchronise with the host), when every token is
+    labelled, or when the logits of every token are returned."""
+    if target.device.type != "cpu" or keep_logits_after >= 0:
+        return None
+    rows = (target != ignore_index).nonzero().squeeze(1)
+    return None if rows.numel() == target.numel() else rows
+
+
+def _run_tile_loop(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    extras: list[torch.Tensor],
+    coef: torch.Tensor,
+    head: LossHead,
+    tile_tokens: int,
+    compile_tiles: bool,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+    token_losses_out: torch.Tensor | None = None,
+    logits_out: torch.Tensor | None = None,
+    keep_logits_after: int = -1,
+):
     num_tokens, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     tile = effective_tile(num_tokens, tile_tokens)
