@@ -367,6 +367,8 @@ def _store_grad_over_logits(
     if _aliases_of(logits) & set(results):
         return None
     tile = logits.meta.get("val")
+    if not isinstance(tile, torch.Tensor):
+        return None
 
     def same_buffer_shape(node):
         val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
@@ -378,7 +380,7 @@ def _store_grad_over_logits(
         )
 
     matches = [i for i, node in enumerate(results) if same_buffer_shape(node)]
-    if not isinstance(tile, torch.Tensor) or len(matches) != 1:
+    if len(matches) != 1:
         return None
     position = matches[0]
     rewritten = copy.deepcopy(middle)
