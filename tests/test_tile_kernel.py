@@ -122,3 +122,23 @@ def test_short_last_tile_runs_the_next_power_of_two_kernel():
     expected_grads = torch.autograd.grad(expected, (hidden, weight))
     for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_half_precision_weight_gradient_is_formed_in_row_blocks(monkeypatch):
+    """With blocks of 40 rows, V=96 runs as 40 + 40 + 16 rows: no [V, H] bf16 temporary, and
+    the float32 sum equals the eager tile's."""
+    from tile_pass import _tile_kernel
+    from tile_pass._tile_kernel import _BlockedUpcastAccumulate
+
+    monkeypatch.setattr(_tile_kernel, "_cache", {})
+    monkeypatch.setattr(_tile_kernel, "UPCAST_BLOCK_BYTES", 40 * H * 2)
+    options = CASES["bf16-upcast-bias"]
+    key = key_for(**options)
+    blocked = [m for m in tile_kernel(key).graph_module.modules() if isinstance(m, _BlockedUpcastAccumulate)]
+    assert len(blocked) == 1 and blocked[0].rows == 40 and set(blocked[0].adds) == {40, 16}
+    compiled = run(key)
+    eager = run(key_for(**options, compiled=False))
+    for got, want in zip(compiled, eager, strict=True):
+        if want is not None:
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(compiled[2], eager[2], rtol=1e-5, atol=1e-5)  # the float32 weight sum
