@@ -53,6 +53,22 @@ def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.promote_types(torch.float32, hidden.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """What every tile of one loss shares: the head, its parameters and what to differentiate."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    extras: list[torch.Tensor]
+    head: LossHead
+    tile_tokens: int
+    compile_tiles: bool
+    need_hidden: bool
+    need_weight: bool
+    need_bias: bool
+    keep_logits_after: int = -1
+
+
 def _run_tiles(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -78,18 +94,17 @@ def _run_tiles(
     masked prompt or padding runs only the GEMMs of its labelled tokens. Their per-token
     loss and hidden gradient are zero, as in eager.
     """
+    tiles = _Tiles(
+        weight, bias, extras, head, tile_tokens, compile_tiles, need_hidden, need_weight, need_bias,
+        keep_logits_after,
+    )  # fmt: skip
     rows = _labelled_rows(target, head.ignore_index, keep_logits_after)
     if rows is None:
-        return _run_tile_loop(
-            hidden, weight, bias, target, extras, coef, head, tile_tokens, compile_tiles, need_hidden,
-            need_weight, need_bias, token_losses_out, logits_out, keep_logits_after,
-        )  # fmt: skip
+        return _run_tile_loop(tiles, hidden, target, coef, token_losses_out, logits_out)
     losses = None if token_losses_out is None else token_losses_out.new_empty(rows.shape)
     total, grad_hidden, grad_weight, grad_bias = _run_tile_loop(
-        hidden.index_select(0, rows), weight, bias, target.index_select(0, rows), extras,
-        coef.index_select(0, rows), head, tile_tokens, compile_tiles, need_hidden, need_weight,
-        need_bias, losses,
-    )  # fmt: skip
+        tiles, hidden.index_select(0, rows), target.index_select(0, rows), coef.index_select(0, rows), losses
+    )
     if token_losses_out is not None:
         token_losses_out.zero_().index_copy_(0, rows, losses)
     if grad_hidden is not None:
@@ -108,22 +123,20 @@ def _labelled_rows(target: torch.Tensor, ignore_index: int, keep_logits_after: i
 
 
 def _run_tile_loop(
+    tiles: _Tiles,
     hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
     target: torch.Tensor,
-    extras: list[torch.Tensor],
     coef: torch.Tensor,
-    head: LossHead,
-    tile_tokens: int,
-    compile_tiles: bool,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
     token_losses_out: torch.Tensor | None = None,
     logits_out: torch.Tensor | None = None,
-    keep_logits_after: int = -1,
 ):
+    weight, bias, extras, head = tiles.weight, tiles.bias, tiles.extras, tiles.head
+    need_hidden, need_weight, need_bias = tiles.need_hidden, tiles.need_weight, tiles.need_bias
+    tile_tokens, compile_tiles, keep_logits_after = (
+        tiles.tile_tokens,
+        tiles.compile_tiles,
+        tiles.keep_logits_after,
+    )
     num_tokens, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     tile = effective_tile(num_tokens, tile_tokens)
