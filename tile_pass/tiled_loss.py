@@ -164,13 +164,14 @@ def _run_tile_loop(
     weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
     bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
 
+    full_tile = tile_kernel(key) if num_tokens else None
     for start in range(0, num_tokens, tile):
         stop = min(start + tile, num_tokens)
         rows = stop - start
         # a short last tile runs a kernel of the next power of two above it (a bounded set
         # of sizes), padded with ignored tokens of zero weight, rather than a full padded tile
         size = tile if rows == tile else effective_tile(rows, tile)
-        kernel = tile_kernel(dataclasses.replace(key, tile=size))
+        kernel = full_tile if size == tile else tile_kernel(dataclasses.replace(key, tile=size))
         h_t, y_t, c_t = hidden[start:stop], target[start:stop], coef[start:stop]
         if rows < size:
             h_t = torch.cat([h_t, h_t.new_zeros(size - rows, hidden_size)])
