@@ -116,6 +116,19 @@ def measure_steps(step, device: torch.device, repeats: int) -> tuple[list[float]
     return sorted(times), peak_above, loss
 
 
+def training_step(fn, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
+    """One forward+backward of ``fn`` that clears the gradients first; returns the loss."""
+
+    def step():
+        hidden.grad = None
+        weight.grad = None
+        loss = fn(hidden, weight, labels)
+        loss.backward()
+        return loss
+
+    return step
+
+
 def run_step(config: StepConfig) -> dict:
     """Compile (if asked), warm up, then measure; in the current process."""
     import tile_pass
@@ -144,12 +157,7 @@ def run_step(config: StepConfig) -> dict:
     else:
         raise ValueError(f"unknown impl {config.impl!r}")
 
-    def step():
-        hidden.grad = None
-        weight.grad = None
-        loss = fn(hidden, weight, labels)
-        loss.backward()
-        return loss
+    step = training_step(fn, hidden, weight, labels)
 
     t0 = time.perf_counter()
     loss = step()

@@ -48,6 +48,7 @@ from tile_pass._measure import (
     lm_head_loss,
     measure_steps,
     run_fresh,
+    training_step,
 )
 
 #: Every implementation the benchmark knows. CPU-only runs use :func:`default_impls`.
@@ -284,12 +285,7 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
 
     hidden, weight, labels = _make_inputs(cfg)
 
-    def step():
-        hidden.grad = None
-        weight.grad = None
-        loss = fn(hidden, weight, labels)
-        loss.backward()
-        return loss
+    step = training_step(fn, hidden, weight, labels)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
