@@ -1,16 +1,27 @@
-"""The traced tile function: compiled tiles store the logits gradient over the logits tile."""
+"""The traced tile function: compiled tiles store the logits gradient over the logits tile,
+and CPU float32 tiles run their GEMMs through oneDNN."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from tile_pass._tile_kernel import KernelKey, LossHead, _Compiled, tile_kernel
+from tile_pass._tile_kernel import (
+    CPU_GEMM_ENV,
+    KernelKey,
+    LossHead,
+    _Compiled,
+    _onednn_mm,
+    onednn_gemms_apply,
+    tile_kernel,
+)
 
 T, H, V = 32, 16, 96
 
 
-def key_for(dtype, ops=(), bias=False, keep_logits_after=-1, compiled=True, need_hidden=True):
+def key_for(dtype, ops=(), bias=False, keep_logits_after=-1, compiled=True, need_hidden=True, onednn=False):
     return KernelKey(
         head=LossHead(tuple(ops), ignore_index=-100, label_smoothing=0.1),
         tile=T,
@@ -28,6 +39,7 @@ def key_for(dtype, ops=(), bias=False, keep_logits_after=-1, compiled=True, need
         acc_dtype=torch.float32,
         keep_logits_after=keep_logits_after,
         compiled=compiled,
+        onednn=onednn,
     )
 
 
@@ -142,3 +154,58 @@ def test_half_precision_weight_gradient_is_formed_in_row_blocks(monkeypatch):
         if want is not None:
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(compiled[2], eager[2], rtol=1e-5, atol=1e-5)  # the float32 weight sum
+
+
+def graph_calls(kernel, target):
+    modules = [m for m in kernel.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    return [n for m in modules for n in m.graph.nodes if n.target is target]
+
+
+needs_onednn = pytest.mark.skipif(
+    not onednn_gemms_apply(torch.device("cpu")), reason="this torch build has no oneDNN linear"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager-tile"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_float32_gemms_run_through_onednn_and_match_aten(compiled, bias):
+    key = key_for(torch.float32, bias=bias, compiled=compiled, onednn=True)
+    aten_key = dataclasses.replace(key, onednn=False)
+    # the logits GEMM (with its bias) and the hidden-gradient GEMM; the in-place weight
+    # gradient addmm_ stays aten's
+    assert len(graph_calls(tile_kernel(key), _onednn_mm)) == 2
+    assert not graph_calls(tile_kernel(key), torch.ops.aten.mm.default)
+    assert not graph_calls(tile_kernel(key), torch.ops.aten.addmm.default)
+    assert len(graph_calls(tile_kernel(key), torch.ops.aten.addmm_.default)) == 1
+    assert not graph_calls(tile_kernel(aten_key), _onednn_mm)
+    for got, want in zip(run(key), run(aten_key), strict=True):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_half_precision_gemms_stay_aten():
+    key = key_for(torch.bfloat16, ops=(("cast", "float32"),), onednn=True)
+    assert not graph_calls(tile_kernel(key), _onednn_mm)
+
+
+def test_onednn_mm_falls_back_to_aten_where_onednn_does_not_apply():
+    a, b = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    torch.testing.assert_close(_onednn_mm(a, b), a @ b)
+    empty = _onednn_mm(torch.randn(4, 0), torch.randn(0, 5))
+    assert empty.shape == (4, 5) and not empty.any()
+    a, b, bias = torch.randn(4, 3), torch.randn(5, 3).t(), torch.randn(5)
+    torch.testing.assert_close(_onednn_mm(a, b, bias), torch.addmm(bias, a, b))
+
+
+def test_cpu_gemm_choice_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(CPU_GEMM_ENV, "aten")
+    assert not onednn_gemms_apply(torch.device("cpu"))
+    monkeypatch.setenv(CPU_GEMM_ENV, "mkl")
+    with pytest.raises(ValueError, match="TILE_PASS_CPU_GEMM='mkl'.*'onednn'.*'aten'"):
+        onednn_gemms_apply(torch.device("cpu"))
+    monkeypatch.delenv(CPU_GEMM_ENV)
+    assert not onednn_gemms_apply(torch.device("meta"))

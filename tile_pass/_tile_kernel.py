@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import functools
 import json
+import os
 import threading
 from dataclasses import dataclass
 
@@ -131,6 +133,7 @@ class KernelKey:
     acc_dtype: torch.dtype  # token weights and gradient sums: float32, or float64 for float64
     keep_logits_after: int = -1  # >= 0: also return the logits tile after that many ops
     compiled: bool = False  # compile the elementwise middle (softmax, loss, dlogits) with Inductor
+    onednn: bool = False  # run the float32 logits and hidden-gradient GEMMs through oneDNN
 
 
 def _inputs_of(key: KernelKey) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -522,6 +525,75 @@ def _chain_to(node: torch.fx.Node, source: torch.fx.Node) -> list[torch.fx.Node]
     return chain
 
 
+#: ``TILE_PASS_CPU_GEMM=aten`` keeps every tile GEMM on aten's own CPU GEMM (MKL).
+CPU_GEMM_ENV = "TILE_PASS_CPU_GEMM"
+
+
+def onednn_gemms_apply(device: torch.device) -> bool:
+    """Whether a CPU tile runs its float32 ``mm`` GEMMs through oneDNN (see :func:`_onednn_mm`)."""
+    choice = os.environ.get(CPU_GEMM_ENV, "onednn").strip().lower()
+    if choice not in ("onednn", "aten"):
+        raise ValueError(f"{CPU_GEMM_ENV}={choice!r}: expected 'onednn' (default) or 'aten'")
+    return choice == "onednn" and device.type == "cpu" and _onednn_linear() is not None
+
+
+@functools.cache
+def _onednn_linear():
+    """``mkldnn::_linear_pointwise`` (the op Inductor's CPU linear fusion calls), if this build has it."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _onednn_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b (+ bias)`` by oneDNN's matmul: the same float32 product as ``aten.mm``, summed
+    in a different order.
+
+    A tile's logits GEMM (``[tile, H] @ [H, V]``) has few rows and a very wide output, the
+    shape where MKL's sgemm falls furthest behind oneDNN's brgemm on some CPUs: on a 2-core
+    AMD EPYC (Zen 4), ``[384, 1024] @ [1024, 128256]`` runs at ~155 GFLOP/s through
+    ``aten.mm`` and ~190 through oneDNN, and a whole tile is 10-20% faster. oneDNN reads
+    ``b`` in either layout without a copy. Anything but two non-empty float32 CPU matrices
+    goes to aten.
+    """
+    matrices = a.dim() == b.dim() == 2 and a.numel() > 0 and b.numel() > 0 and a.device.type == "cpu"
+    if matrices and a.dtype is torch.float32 and b.dtype is torch.float32:
+        return _onednn_linear()(a, b.t(), bias, "none", [], "")
+    return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+
+
+def _route_gemms_to_onednn(gm: torch.fx.GraphModule) -> int:
+    """Replace the graph's out-of-place float32 ``mm`` (and ``addmm`` of a ``[V]`` bias) with
+    :func:`_onednn_mm`; the in-place weight-gradient ``addmm_`` stays aten's."""
+    routed = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module":
+            child = gm.get_submodule(node.target)
+            if isinstance(child, torch.fx.GraphModule):
+                routed += _route_gemms_to_onednn(child)
+            continue
+        vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args]
+        if not vals or not all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in vals):
+            continue
+        if node.target is aten.mm.default and not node.kwargs:
+            args = node.args
+        elif node.target is aten.addmm.default and not node.kwargs and len(vals) == 3 and vals[0].dim() == 1:
+            args = (node.args[1], node.args[2], node.args[0])
+        else:
+            continue
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_function(_onednn_mm, args)
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+        routed += 1
+    gm.recompile()
+    return routed
+
+
 def _trace(key: KernelKey) -> TileKernel:
     with FakeTensorMode(allow_non_fake_inputs=False):
         inputs = _example_inputs(key)
@@ -534,6 +606,8 @@ def _trace(key: KernelKey) -> TileKernel:
             _compile_middle(split, key, logits.name)
             gm = split
         _compile_upcast_accumulation(gm, key.device)
+    if key.onednn:
+        _route_gemms_to_onednn(gm)
     return TileKernel(key, gm)
 
 

@@ -26,7 +26,7 @@ import json
 
 import torch
 
-from tile_pass._tile_kernel import KernelKey, LossHead, tile_kernel
+from tile_pass._tile_kernel import KernelKey, LossHead, onednn_gemms_apply, tile_kernel
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -157,6 +157,7 @@ def _run_tile_loop(
         acc_dtype=coef.dtype,
         keep_logits_after=keep_logits_after,
         compiled=compile_tiles,
+        onednn=onednn_gemms_apply(hidden.device),
     )
     acc = coef.dtype
     total = hidden.new_zeros((), dtype=acc)
