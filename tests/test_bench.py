@@ -33,6 +33,25 @@ def test_one_row_per_implementation_plus_the_gemm_floor(rows):
         assert row["peak_mib"] >= 0
 
 
+def test_gemm_floor_sums_the_fastest_library_per_gemm(rows):
+    floor = rows[0]
+    per_library = floor["gemm_s"]
+    assert set(per_library) >= {"aten"} and all(len(times) == 3 for times in per_library.values())
+    if bench._floor_gemms(torch.ones(1, 1), torch.ones(1, 1), torch.ones(1, 1)).get("onednn"):
+        assert "onednn" in per_library  # tile_pass's float32 CPU tiles call it
+    fastest = sum(min(times) for times in zip(*per_library.values(), strict=True))
+    assert floor["median_s"] == pytest.approx(fastest, rel=1e-3, abs=1e-3)
+
+
+def test_floor_gemms_compute_the_same_products():
+    gen = torch.Generator().manual_seed(0)
+    h, w, g = (torch.randn(shape, generator=gen) for shape in ((6, 4), (5, 4), (6, 5)))
+    libraries = bench._floor_gemms(h, w, g)
+    for gemms in libraries.values():
+        for got, want in zip((gemm() for gemm in gemms), (h @ w.T, g @ w, g.T @ h), strict=True):
+            torch.testing.assert_close(got, want)
+
+
 def test_ratios_are_against_inductor_of_the_same_shape(rows):
     by_impl = {r["impl"]: r for r in rows}
     assert by_impl["inductor"]["time_x_inductor"] == 1.0

@@ -30,10 +30,12 @@ import torch
 
 #: Default budget for the per-tile buffers on CPU. Cache-sized tiles do not help here: the
 #: step is GEMM-bound and a GEMM of a few hundred rows streams the whole ``[V, H]`` weight
-#: once per tile, so the budget trades memory against the number of weight passes (see
-#: docs/benchmarks.md for the sweep). 192 MiB is 384-token tiles for a float32 128k vocabulary:
-#: the step then needs under 1/16 of the memory plain Inductor needs beyond its gradients.
-DEFAULT_TILE_BYTES = 192 * 1024 * 1024
+#: once per tile, so the budget trades memory against the number of weight passes. With the
+#: float32 GEMMs on oneDNN (see ``_tile_kernel._onednn_mm``), 256-, 384- and 512-token tiles
+#: run a float32 128k-vocabulary step equally fast (docs/benchmarks.md has the sweep), so the
+#: budget is the smallest of them: 128 MiB is 256 tokens there (512 for bfloat16), about
+#: 1/30 of the memory plain Inductor needs beyond its gradients.
+DEFAULT_TILE_BYTES = 128 * 1024 * 1024
 #: On an accelerator the budget is this fraction of the free memory, within the bounds below.
 GPU_FREE_FRACTION = 1 / 16
 GPU_MIN_TILE_BYTES = 256 * 1024 * 1024
