@@ -607,7 +607,7 @@ def _trace(key: KernelKey) -> TileKernel:
             gm = split
         _compile_upcast_accumulation(gm, key.device)
     if key.onednn:
-        _route_gemms_to_onednn(gm)
+        log.debug("tile %s: %d GEMMs on oneDNN", key, _route_gemms_to_onednn(gm))
     return TileKernel(key, gm)
 
 
