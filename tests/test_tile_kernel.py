@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from tile_pass import _tile_kernel
 from tile_pass._tile_kernel import (
     CPU_GEMM_ENV,
     KernelKey,
@@ -207,5 +208,8 @@ def test_cpu_gemm_choice_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(CPU_GEMM_ENV, "mkl")
     with pytest.raises(ValueError, match="TILE_PASS_CPU_GEMM='mkl'.*'onednn'.*'aten'"):
         onednn_gemms_apply(torch.device("cpu"))
-    monkeypatch.delenv(CPU_GEMM_ENV)
+    monkeypatch.setenv(CPU_GEMM_ENV, "onednn")
     assert not onednn_gemms_apply(torch.device("meta"))
+    monkeypatch.delenv(CPU_GEMM_ENV)
+    monkeypatch.setattr(_tile_kernel.platform, "machine", lambda: "aarch64")
+    assert not onednn_gemms_apply(torch.device("cpu"))  # the default only where it was measured

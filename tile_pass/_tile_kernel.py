@@ -23,6 +23,7 @@ import copy
 import functools
 import json
 import os
+import platform
 import threading
 from dataclasses import dataclass
 
@@ -525,15 +526,20 @@ def _chain_to(node: torch.fx.Node, source: torch.fx.Node) -> list[torch.fx.Node]
     return chain
 
 
-#: ``TILE_PASS_CPU_GEMM=aten`` keeps every tile GEMM on aten's own CPU GEMM (MKL).
+#: ``TILE_PASS_CPU_GEMM=aten`` keeps every tile GEMM on aten's own CPU GEMM (MKL on x86);
+#: ``onednn`` routes them to oneDNN, the default on x86-64, where it was measured.
 CPU_GEMM_ENV = "TILE_PASS_CPU_GEMM"
+
+
+def _default_cpu_gemm() -> str:
+    return "onednn" if platform.machine().lower() in ("x86_64", "amd64") else "aten"
 
 
 def onednn_gemms_apply(device: torch.device) -> bool:
     """Whether a CPU tile runs its float32 ``mm`` GEMMs through oneDNN (see :func:`_onednn_mm`)."""
-    choice = os.environ.get(CPU_GEMM_ENV, "onednn").strip().lower()
+    choice = os.environ.get(CPU_GEMM_ENV, "").strip().lower() or _default_cpu_gemm()
     if choice not in ("onednn", "aten"):
-        raise ValueError(f"{CPU_GEMM_ENV}={choice!r}: expected 'onednn' (default) or 'aten'")
+        raise ValueError(f"{CPU_GEMM_ENV}={choice!r}: expected 'onednn' (the default on x86-64) or 'aten'")
     return choice == "onednn" and device.type == "cpu" and _onednn_linear() is not None
 
 
