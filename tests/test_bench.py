@@ -98,3 +98,10 @@ def test_failed_child_becomes_an_error_row():
     row = bench.measure_fresh(bench.BenchConfig(impl="no_such_impl", tokens=16, hidden=4, vocab=8))
     assert "unknown implementation" in row["error"]
     assert "ERROR" in bench.format_table([row])
+
+
+def test_dynamic_lengths_avoid_the_hidden_and_vocab_sizes():
+    lengths = bench.dynamic_lengths(2048, hidden=512, vocab=32000)
+    assert len(lengths) == 8 and lengths[-1] == 2048 and 512 not in lengths
+    assert 513 in lengths  # 25% of 2048, moved off H
+    assert 1000 not in bench.dynamic_lengths(4000, hidden=64, vocab=1000)

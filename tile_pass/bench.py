@@ -495,6 +495,23 @@ def run_benchmark(
     return add_ratios(rows)
 
 
+def dynamic_lengths(top: int, hidden: int, vocab: int) -> list[int]:
+    """8 sequence lengths from 25% to 100% of ``top``, none equal to ``hidden`` or ``vocab``.
+
+    Dynamo's duck sizing gives equal sizes one symbol: a first call whose length equals the
+    hidden size makes ``hidden`` ``[s, s]``, the matmul against the static weight then
+    specialises ``s`` to ``H``, and the next length recompiles, for any backend. That is a
+    property of the first call's shapes, not of what is measured, so such lengths are moved.
+    """
+    lengths = set()
+    for fraction in (0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0):
+        n = max(16, round(top * fraction))
+        while n in (hidden, vocab) or n in lengths:
+            n += 1
+        lengths.add(n)
+    return sorted(lengths)
+
+
 def run_dynamic(
     impls: Sequence[str],
     lengths: Sequence[int],
@@ -666,8 +683,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"{row['dtype']}: {what}", file=sys.stderr, flush=True)  # fmt: skip
 
     if args.dynamic:
-        top = args.tokens[-1]
-        lengths = sorted({max(16, round(top * f)) for f in (0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)})
+        lengths = dynamic_lengths(args.tokens[-1], args.hidden[0], args.vocab[0])
         if args.impl is None:
             impls = ["inductor", "tile_pass"]
         rows = run_dynamic(
