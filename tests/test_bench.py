@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -105,3 +106,19 @@ def test_dynamic_lengths_avoid_the_hidden_and_vocab_sizes():
     assert len(lengths) == 8 and lengths[-1] == 2048 and 512 not in lengths
     assert 513 in lengths  # 25% of 2048, moved off H
     assert 1000 not in bench.dynamic_lengths(4000, hidden=64, vocab=1000)
+
+
+def test_memory_guard_bounds_every_recorded_peak():
+    """The child-skipping estimate must stay above what was measured, or it guards nothing."""
+    from pathlib import Path
+
+    fields = {f.name for f in dataclasses.fields(bench.BenchConfig)}
+    checked = 0
+    for path in sorted((Path(__file__).parent.parent / "benchmarks").glob("*.json")):
+        for row in json.loads(path.read_text())["rows"]:
+            if row.get("peak_mib") is None or row.get("device", "cpu") != "cpu":
+                continue
+            cfg = bench.BenchConfig(**{k: v for k, v in row.items() if k in fields})
+            assert bench.estimated_peak_bytes(cfg) > row["peak_mib"] * 2**20, (path.name, row["impl"])
+            checked += 1
+    assert checked >= 20
