@@ -448,11 +448,21 @@ class _BlockedUpcastAccumulate(torch.nn.Module):
 
 
 def _compiled_add(acc: torch.Tensor, x: torch.Tensor):
-    from torch._inductor.compile_fx import compile_fx
+    """``acc.add_(x)`` compiled by Inductor, once per layout: the weight-gradient sum has the
+    same shape for every tile size, so the kernels of other tile sizes reuse it."""
+    layout = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (acc, x))
+    compiled = _compiled_adds.get(layout)
+    if compiled is None:
+        from torch._inductor.compile_fx import compile_fx
 
-    add = make_fx(lambda acc, x: acc.add_(x))(acc, x)
-    with torch.no_grad():
-        return compile_fx(add, [acc, x])
+        add = make_fx(lambda acc, x: acc.add_(x))(acc, x)
+        with torch.no_grad():
+            compiled = _compiled_adds[layout] = compile_fx(add, [acc, x])
+    return compiled
+
+
+#: :func:`_compiled_add` by layout; only the (single) tracing thread touches it.
+_compiled_adds: dict[tuple, object] = {}
 
 
 def _compile_upcast_accumulation(gm: torch.fx.GraphModule, device: torch.device) -> int:
