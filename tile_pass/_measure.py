@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -98,12 +99,22 @@ def allocator_steady_state() -> None:
         pass
 
 
-def measure_steps(step, device: torch.device, repeats: int) -> tuple[list[float], int, torch.Tensor]:
+class StepMeasurement(NamedTuple):
+    times: list[float]  # sorted seconds of the timed steps (allocator steady state)
+    peak_above: int  # peak bytes of the memory step above what was in use before it
+    loss: torch.Tensor  # of the last step
+    memory_step_s: float  # the memory step's own time, under the same allocator as a first call
+
+
+def measure_steps(step, device: torch.device, repeats: int) -> StepMeasurement:
     """Run ``step`` (it clears the grads itself) once for peak memory, then ``repeats`` times
-    for time under the allocator's steady state: sorted seconds, the peak bytes of the first
-    run above what was in use before it, and the last loss."""
+    for time under the allocator's steady state."""
     base = reset_peak_memory(device)
+    t0 = time.perf_counter()
     loss = step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    memory_step_s = time.perf_counter() - t0
     peak_above = peak_memory(device) - base
     allocator_steady_state()
     times = []
@@ -113,7 +124,7 @@ def measure_steps(step, device: torch.device, repeats: int) -> tuple[list[float]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return sorted(times), peak_above, loss
+    return StepMeasurement(sorted(times), peak_above, loss, memory_step_s)
 
 
 def training_step(fn, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
@@ -164,7 +175,7 @@ def run_step(config: StepConfig) -> dict:
     compile_and_first = time.perf_counter() - t0
     hidden.grad = None
     weight.grad = None
-    times, peak_above, loss = measure_steps(step, device, config.repeats)
+    times, peak_above, loss, _ = measure_steps(step, device, config.repeats)
     return {
         **asdict(config),
         "loss": float(loss),
