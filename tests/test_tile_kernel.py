@@ -13,6 +13,7 @@ from tile_pass._tile_kernel import (
     CPU_GEMM_ENV,
     KernelKey,
     LossHead,
+    _BlockedUpcastAccumulate,
     _Compiled,
     _onednn_mm,
     onednn_gemms_apply,
@@ -140,9 +141,6 @@ def test_short_last_tile_runs_the_next_power_of_two_kernel():
 def test_half_precision_weight_gradient_is_formed_in_row_blocks(monkeypatch):
     """With blocks of 40 rows, V=96 runs as 40 + 40 + 16 rows: no [V, H] bf16 temporary, and
     the float32 sum equals the eager tile's."""
-    from tile_pass import _tile_kernel
-    from tile_pass._tile_kernel import _BlockedUpcastAccumulate
-
     monkeypatch.setattr(_tile_kernel, "_cache", {})
     monkeypatch.setattr(_tile_kernel, "UPCAST_BLOCK_BYTES", 40 * H * 2)
     options = CASES["bf16-upcast-bias"]

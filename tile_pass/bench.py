@@ -51,6 +51,7 @@ from tile_pass._measure import (
     run_fresh,
     training_step,
 )
+from tile_pass._tile_kernel import _onednn_mm, onednn_gemms_apply
 
 #: Every implementation the benchmark knows. CPU-only runs use :func:`default_impls`.
 IMPLS = ("eager", "inductor", "autochunker", "torch_chunked", "cce", "tile_pass", "liger", "cce_kernel")
@@ -227,8 +228,6 @@ def _tile_traces() -> int:
 def _floor_gemms(h: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> dict[str, list[Callable]]:
     """The three unavoidable GEMMs, per GEMM library this process can call for them."""
     gemms = {"aten": [lambda: h @ w.T, lambda: g @ w, lambda: g.T @ h]}
-    from tile_pass._tile_kernel import _onednn_mm, onednn_gemms_apply
-
     if h.dtype == torch.float32 and onednn_gemms_apply(h.device):
         gemms["onednn"] = [lambda: _onednn_mm(h, w.T), lambda: _onednn_mm(g, w), lambda: _onednn_mm(g.T, h)]
     return gemms
