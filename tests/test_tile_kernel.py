@@ -4,13 +4,17 @@ and CPU float32 tiles run their GEMMs through oneDNN."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tile_pass import _tile_kernel
+import tile_pass
+from tile_pass import _settings, _tile_kernel
+from tile_pass._settings import CPU_GEMM_ENV
 from tile_pass._tile_kernel import (
-    CPU_GEMM_ENV,
     KernelKey,
     LossHead,
     _BlockedUpcastAccumulate,
@@ -23,9 +27,11 @@ from tile_pass._tile_kernel import (
 T, H, V = 32, 16, 96
 
 
-def key_for(dtype, ops=(), bias=False, keep_logits_after=-1, compiled=True, need_hidden=True, onednn=False):
+def key_for(
+    dtype, ops=(), constants=(), bias=False, keep_logits_after=-1, compiled=True, need_hidden=True, onednn=False
+):
     return KernelKey(
-        head=LossHead(tuple(ops), ignore_index=-100, label_smoothing=0.1),
+        head=LossHead(tuple(ops), ignore_index=-100, label_smoothing=0.1, constants=constants),
         tile=T,
         hidden_size=H,
         vocab_size=V,
@@ -75,7 +81,7 @@ def middle_of(key):
 CASES = {
     "float32": dict(dtype=torch.float32),
     "bf16-upcast-bias": dict(dtype=torch.bfloat16, ops=(("cast", "float32"),), bias=True),
-    "softcap": dict(dtype=torch.float32, ops=(("div", 30.0), ("tanh",), ("mul", 30.0))),
+    "softcap": dict(dtype=torch.float32, ops=(("div", 0), ("tanh",), ("mul", 0)), constants=(30.0,)),
     "no-hidden-grad": dict(dtype=torch.float32, need_hidden=False),
 }
 
@@ -141,7 +147,7 @@ def test_short_last_tile_runs_the_next_power_of_two_kernel():
 def test_half_precision_weight_gradient_is_formed_in_row_blocks(monkeypatch):
     """With blocks of 40 rows, V=96 runs as 40 + 40 + 16 rows: no [V, H] bf16 temporary, and
     the float32 sum equals the eager tile's."""
-    monkeypatch.setattr(_tile_kernel, "_cache", {})
+    monkeypatch.setattr(_tile_kernel, "_cache", _tile_kernel._BoundedCache(8))
     monkeypatch.setattr(_tile_kernel, "UPCAST_BLOCK_BYTES", 40 * H * 2)
     options = CASES["bf16-upcast-bias"]
     key = key_for(**options)
@@ -200,14 +206,49 @@ def test_onednn_mm_falls_back_to_aten_where_onednn_does_not_apply():
     torch.testing.assert_close(_onednn_mm(a, b, bias), torch.addmm(bias, a, b))
 
 
-def test_cpu_gemm_choice_comes_from_the_environment(monkeypatch):
+@pytest.fixture
+def restore_settings(monkeypatch):
+    monkeypatch.setattr(_settings, "_current", _settings.current())
+
+
+def test_cpu_gemm_choice_comes_from_the_environment_once(monkeypatch, restore_settings):
+    before = onednn_gemms_apply(torch.device("cpu"))
     monkeypatch.setenv(CPU_GEMM_ENV, "aten")
+    assert onednn_gemms_apply(torch.device("cpu")) == before  # read at import, not per call
+    _settings.reload()
     assert not onednn_gemms_apply(torch.device("cpu"))
-    monkeypatch.setenv(CPU_GEMM_ENV, "mkl")
-    with pytest.raises(ValueError, match="TILE_PASS_CPU_GEMM='mkl'.*'onednn'.*'aten'"):
-        onednn_gemms_apply(torch.device("cpu"))
     monkeypatch.setenv(CPU_GEMM_ENV, "onednn")
+    assert not onednn_gemms_apply(torch.device("cpu"))
+    _settings.reload()
     assert not onednn_gemms_apply(torch.device("meta"))
     monkeypatch.delenv(CPU_GEMM_ENV)
-    monkeypatch.setattr(_tile_kernel.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(_settings.platform, "machine", lambda: "aarch64")
+    _settings.reload()
     assert not onednn_gemms_apply(torch.device("cpu"))  # the default only where it was measured
+
+
+def test_a_bad_cpu_gemm_setting_fails_at_import_not_in_a_step(monkeypatch, restore_settings):
+    monkeypatch.setenv(CPU_GEMM_ENV, "mkl")
+    with pytest.raises(ValueError, match="TILE_PASS_CPU_GEMM='mkl'.*'onednn'.*'aten'"):
+        _settings.reload()
+    assert _settings.current().cpu_gemm in ("onednn", "aten")  # the previous settings stand
+    onednn_gemms_apply(torch.device("cpu"))  # and a step does not raise
+    result = subprocess.run(
+        [sys.executable, "-c", "import tile_pass"], env=dict(os.environ), capture_output=True, text=True
+    )
+    assert result.returncode != 0 and "TILE_PASS_CPU_GEMM='mkl'" in result.stderr
+
+
+def test_kernel_caches_are_bounded_and_clearable(monkeypatch):
+    cache = _tile_kernel._BoundedCache(2)
+    for i in range(5):
+        cache.put(i, str(i))
+    cache.get(3)
+    cache.put(5, "5")
+    assert list(cache) == [3, 5] and cache.get(0) is None
+    key = key_for(**CASES["float32"], compiled=False)
+    tile_kernel(key)
+    assert key in list(_tile_kernel._cache)
+    tile_pass.clear_caches()
+    assert len(_tile_kernel._cache) == 0 and len(_tile_kernel._compiled_adds) == 0
+    assert tile_kernel(key) is not None  # rebuilt on next use

@@ -49,3 +49,32 @@ def test_default_budget_per_device(device):
         assert budget == _tiling.DEFAULT_TILE_BYTES
     else:
         assert _tiling.GPU_MIN_TILE_BYTES <= budget <= _tiling.GPU_MAX_TILE_BYTES
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA device with 8 GiB free, as far as the budget can tell."""
+    free = {"bytes": 8 << 30}
+    monkeypatch.setattr(_tiling, "_free_gpu_memory", lambda device_index: free["bytes"])
+    return free
+
+
+def test_gpu_budget_follows_free_memory_inside_a_backend(fake_gpu, monkeypatch):
+    """Inside every backend ``torch.compiler.is_compiling()`` is true; the budget must still be
+    the documented share of the free memory, not a fixed floor."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _tiling.default_tile_bytes("cuda") == (8 << 30) // 16
+    fake_gpu["bytes"] = 1 << 30  # 1/16 of it is below the floor
+    assert _tiling.default_tile_bytes("cuda:0") == _tiling.GPU_MIN_TILE_BYTES
+    fake_gpu["bytes"] = 1 << 40
+    assert _tiling.default_tile_bytes(torch.device("cuda", 0)) == _tiling.GPU_MAX_TILE_BYTES
+    fake_gpu["bytes"] = 8 << 30
+    tokens = choose_tile_tokens(32000, torch.bfloat16, True, device="cuda", fused=True)
+    assert tokens == ((8 << 30) // 16 // (32000 * 2)) // 16 * 16
+
+
+def test_gpu_budget_is_read_once_when_dynamo_traces_the_functional_api(fake_gpu):
+    """In traced code the budget becomes a constant of the graph (no graph break)."""
+    torch._dynamo.reset()
+    traced = torch.compile(lambda x: x * _tiling.default_tile_bytes("cuda"), backend="eager", fullgraph=True)
+    assert traced(torch.ones(())).item() == (8 << 30) // 16

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{options.target}() must return (fn, args) or (fn, args, kwargs); or pass --args"
             )
         fn, args, kwargs = made[0], made[1], made[2] if len(made) == 3 else {}
-    backend = tile_pass.backend("eager", tile_tokens=options.tile_tokens, drop_logits=options.drop_logits)
+    backend = tile_pass.backend(tile_tokens=options.tile_tokens, drop_logits=options.drop_logits)
     report = backend.explain(fn, *args, **kwargs)
     print(report.to_json() if options.json else report)
     return 0

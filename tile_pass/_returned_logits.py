@@ -30,14 +30,21 @@ class _LogitsGrad(torch.autograd.Function):
     def backward(ctx, grad_logits):
         # Derived, not a hand-written formula: the vector-Jacobian product of the copied
         # forward code (the region's projection and row-wise ops), by torch.autograd.grad.
+        # Under create_graph=True (grad mode is on in backward only then) the replay runs on
+        # the saved inputs themselves, so the derived gradient is differentiable in turn.
         inputs = ctx.saved_tensors
         wanted = [i for i, needs in enumerate(ctx.needs_input_grad[2:]) if needs]
         grads = [None] * len(inputs)
         if grad_logits is not None and wanted:
+            higher_order = torch.is_grad_enabled()
             with torch.enable_grad():
-                replay = [t.detach().requires_grad_(i in wanted) for i, t in enumerate(inputs)]
+                replay = [
+                    t if higher_order else t.detach().requires_grad_(i in wanted) for i, t in enumerate(inputs)
+                ]
                 logits = ctx.prefix(*replay)
-                derived = torch.autograd.grad(logits, [replay[i] for i in wanted], grad_logits)
+                derived = torch.autograd.grad(
+                    logits, [replay[i] for i in wanted], grad_logits, create_graph=higher_order
+                )
             for i, g in zip(wanted, derived, strict=True):
                 grads[i] = g
         return (None, None, *grads)

@@ -22,10 +22,9 @@ import concurrent.futures
 import copy
 import functools
 import json
-import os
-import platform
 import threading
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -34,18 +33,19 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
 
+from tile_pass import _settings
 from tile_pass._logging import log
 
 aten = torch.ops.aten
 
 
-def _apply_op(x: torch.Tensor, op: tuple, extras: list[torch.Tensor]) -> torch.Tensor:
+def _apply_op(x: torch.Tensor, op: tuple, extras: list[torch.Tensor], constants: tuple[float, ...]):
     name, *arg = op
     if name == "cast":
         return x.to(getattr(torch, arg[0]))
     if name == "tanh":
         return torch.tanh(x)
-    other = extras[arg[0]] if name.endswith("_t") else arg[0]
+    other = extras[arg[0]] if name.endswith("_t") else constants[arg[0]]
     kind = name.removesuffix("_t")
     if kind == "mul":
         return x * other
@@ -68,14 +68,24 @@ class LossHead:
     """What a matched region computes from the hidden states of one tile of tokens.
 
     ``ops`` are the row-wise operations between the projection and the loss, in order:
-    ``("cast", "float32")``, ``("tanh",)``, ``("mul", 30.0)`` (a constant operand), or
-    ``("mul_t", i)`` (operand ``extras[i]``, a 0-d or ``[V]`` tensor). Soft-capping is
-    ``div, tanh, mul``; a logit scale is ``mul``; a bias added after the linear is ``add_t``.
+    ``("cast", "float32")``, ``("tanh",)``, ``("mul", k)`` (operand ``constants[k]``, a
+    Python number), or ``("mul_t", i)`` (operand ``extras[i]``, a 0-d or ``[V]`` tensor).
+    Soft-capping is ``div, tanh, mul``; a logit scale is ``mul``; a bias added after the
+    linear is ``add_t``. The constants travel as numbers, never as text, so ``inf`` and
+    ``nan`` reach the tile exactly as eager would use them.
     """
 
     ops: tuple[tuple, ...]
     ignore_index: int
     label_smoothing: float
+    constants: tuple[float, ...] = field(default=(), compare=False)
+    # what compares and hashes in place of ``constants``: their bits, so that a NaN constant
+    # finds its cached kernel (``nan != nan``) and ``0.0`` and ``-0.0`` get kernels of their own
+    _constant_bits: tuple[str, ...] = field(default=(), init=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "constants", tuple(float(c) for c in self.constants))
+        object.__setattr__(self, "_constant_bits", tuple(c.hex() for c in self.constants))
 
     @staticmethod
     def parse_ops(spec: str) -> tuple[tuple, ...]:
@@ -90,7 +100,7 @@ class LossHead:
         x = F.linear(hidden, weight, bias)
         kept = x if keep_after == 0 else None
         for i, op in enumerate(self.ops, start=1):
-            x = _apply_op(x, op, extras)
+            x = _apply_op(x, op, extras, self.constants)
             if i == keep_after:
                 kept = x
         return (x, kept) if keep_after >= 0 else x
@@ -457,12 +467,46 @@ def _compiled_add(acc: torch.Tensor, x: torch.Tensor):
 
         add = make_fx(lambda acc, x: acc.add_(x))(acc, x)
         with torch.no_grad():
-            compiled = _compiled_adds[layout] = compile_fx(add, [acc, x])
+            compiled = _compiled_adds.put(layout, compile_fx(add, [acc, x]))
     return compiled
 
 
+class _BoundedCache:
+    """A least-recently-used map with at most ``limit`` entries: a long run that meets many
+    shapes (or a notebook that recompiles) keeps only the kernels it still uses."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._entries: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        value = self._entries.get(key)
+        if value is not None:
+            self._entries.move_to_end(key)
+        return value
+
+    def put(self, key, value):
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.limit:
+            self._entries.popitem(last=False)
+        return value
+
+    def __iter__(self):
+        return iter(list(self._entries))
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+#: Traced tile functions kept at once. A tile function is specialised to one tile size (a
+#: bounded set of powers of two per region), dtype and region; 128 covers dozens of regions.
+TILE_KERNEL_CACHE_SIZE = 128
 #: :func:`_compiled_add` by layout; only the (single) tracing thread touches it.
-_compiled_adds: dict[tuple, object] = {}
+_compiled_adds = _BoundedCache(64)
 
 
 def _compile_upcast_accumulation(gm: torch.fx.GraphModule, device: torch.device) -> int:
@@ -536,21 +580,10 @@ def _chain_to(node: torch.fx.Node, source: torch.fx.Node) -> list[torch.fx.Node]
     return chain
 
 
-#: ``TILE_PASS_CPU_GEMM=aten`` keeps every tile GEMM on aten's own CPU GEMM (MKL on x86);
-#: ``onednn`` routes them to oneDNN, the default on x86-64, where it was measured.
-CPU_GEMM_ENV = "TILE_PASS_CPU_GEMM"
-
-
-def _default_cpu_gemm() -> str:
-    return "onednn" if platform.machine().lower() in ("x86_64", "amd64") else "aten"
-
-
 def onednn_gemms_apply(device: torch.device) -> bool:
-    """Whether a CPU tile runs its float32 ``mm`` GEMMs through oneDNN (see :func:`_onednn_mm`)."""
-    choice = os.environ.get(CPU_GEMM_ENV, "").strip().lower() or _default_cpu_gemm()
-    if choice not in ("onednn", "aten"):
-        raise ValueError(f"{CPU_GEMM_ENV}={choice!r}: expected 'onednn' (the default on x86-64) or 'aten'")
-    return choice == "onednn" and device.type == "cpu" and _onednn_linear() is not None
+    """Whether a CPU tile runs its float32 ``mm`` GEMMs through oneDNN (see :func:`_onednn_mm`);
+    ``TILE_PASS_CPU_GEMM`` decides, read once (see :mod:`tile_pass._settings`)."""
+    return _settings.current().cpu_gemm == "onednn" and device.type == "cpu" and _onednn_linear() is not None
 
 
 @functools.cache
@@ -627,22 +660,26 @@ def _trace(key: KernelKey) -> TileKernel:
     return TileKernel(key, gm)
 
 
-_cache: dict[KernelKey, TileKernel] = {}
+_cache = _BoundedCache(TILE_KERNEL_CACHE_SIZE)
 _cache_lock = threading.Lock()
 _tracer: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def tile_kernel(key: KernelKey) -> TileKernel:
     """The derived tile function for ``key``, traced once per process."""
-    kernel = _cache.get(key)
-    if kernel is not None:
-        return kernel
     global _tracer
     with _cache_lock:
         kernel = _cache.get(key)
         if kernel is None:
             if _tracer is None:
                 _tracer = concurrent.futures.ThreadPoolExecutor(1, "tile_pass_tracer")
-            kernel = _tracer.submit(_trace, key).result()
-            _cache[key] = kernel
+            kernel = _cache.put(key, _tracer.submit(_trace, key).result())
     return kernel
+
+
+def clear_caches() -> None:
+    """Drop every traced tile function and compiled accumulation kernel (they are rebuilt on
+    next use); ``torch._dynamo.reset()`` does not reach them."""
+    with _cache_lock:
+        _cache.clear()
+        _compiled_adds.clear()

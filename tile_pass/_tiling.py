@@ -66,14 +66,33 @@ def tile_bytes_per_token(
     return vocab_size * per_element
 
 
+def _free_gpu_memory(device_index: int | None) -> int | None:
+    """Free bytes on a CUDA device; ``None`` where there is none (fake CUDA tensors on a
+    CPU-only machine)."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.mem_get_info(device_index)[0]
+
+
+@torch.compiler.assume_constant_result
+def _gpu_tile_bytes(device_index: int | None) -> int:
+    """A share of the free memory on a CUDA device, read when the caller runs or, in code that
+    Dynamo traces (``linear_cross_entropy`` inside ``torch.compile``), once while tracing:
+    the budget is a constant of the compiled graph, as the tile size must be."""
+    free = _free_gpu_memory(device_index)
+    if free is None:
+        return GPU_MIN_TILE_BYTES
+    return int(min(GPU_MAX_TILE_BYTES, max(GPU_MIN_TILE_BYTES, free * GPU_FREE_FRACTION)))
+
+
 def default_tile_bytes(device: torch.device | str | None = None) -> int:
-    """The budget when none is given: fixed on CPU, a share of the free memory on a GPU."""
+    """The budget when none is given: fixed on CPU, a share of the free memory on a GPU.
+
+    The backend calls this when it rewrites a graph, for the device its example inputs live
+    on: the free memory at compile time sizes the tiles of that graph."""
     device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type == "cuda" and torch.cuda.is_available():
-        if torch.compiler.is_compiling():  # traced code cannot ask the driver; stay small
-            return GPU_MIN_TILE_BYTES
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(min(GPU_MAX_TILE_BYTES, max(GPU_MIN_TILE_BYTES, free * GPU_FREE_FRACTION)))
+    if device.type == "cuda":
+        return _gpu_tile_bytes(device.index)
     return DEFAULT_TILE_BYTES
 
 

@@ -63,6 +63,8 @@ class Backend:
         self.validate = validate
         self.compile_tiles = (inner == "inductor") if compile_tiles is None else compile_tiles
         self._inner = _resolve_inner(inner)
+        # explain's recorder sizes tiles as the explained backend does but runs them eagerly
+        self._run_tiles_compiled = self.compile_tiles
         self._graphs_seen = 0
         self.reports: collections.deque[GraphReport] = collections.deque(maxlen=keep_reports)
 
@@ -79,6 +81,7 @@ class Backend:
             tile_bytes=self.tile_bytes,
             drop_logits=self.drop_logits,
             compile_tiles=self.compile_tiles,
+            run_compiled_tiles=self._run_tiles_compiled,
         )
         report = result.report
         self._graphs_seen += 1
@@ -107,7 +110,9 @@ class Backend:
     def explain(self, fn: Callable, *args: Any, **kwargs: Any) -> Report:
         """Compile ``fn`` with this backend's options, call it once, and report the decisions.
 
-        The call runs the forward pass (with the inner compiler ``eager``, to be quick).
+        The report is this backend's plan: the same tile sizes, the same handling of returned
+        logits. To be quick, the call runs the rewritten forward with the inner compiler
+        ``eager`` and uncompiled tiles of those sizes.
         """
         recorder = Backend(
             "eager",
@@ -115,8 +120,10 @@ class Backend:
             tile_bytes=self.tile_bytes,
             drop_logits=self.drop_logits,
             dump_dir=self.dump_dir,
+            compile_tiles=self.compile_tiles,
             keep_reports=1024,
         )
+        recorder._run_tiles_compiled = False
         breaks_before = collections.Counter(torch._dynamo.utils.counters["graph_break"])
         torch.compile(fn, backend=recorder)(*args, **kwargs)
         report = recorder.report()
@@ -128,7 +135,7 @@ class Backend:
         return (
             f"tile_pass.backend(inner={self.inner!r}, tile_tokens={self.tile_tokens}, "
             f"tile_bytes={self.tile_bytes}, drop_logits={self.drop_logits}, dump_dir={self.dump_dir!r}, "
-            f"validate={self.validate})"
+            f"validate={self.validate}, compile_tiles={self.compile_tiles})"
         )
 
 
@@ -205,5 +212,6 @@ def tile_pass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -
 
 
 def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
-    """Compile ``fn`` with tile_pass, call it once with ``args``, and report what was rewritten."""
-    return Backend("eager").explain(fn, *args, **kwargs)
+    """Compile ``fn`` with tile_pass, call it once with ``args``, and report what was rewritten:
+    the plan of ``backend="tile_pass"`` (inductor, compiled tiles)."""
+    return default_backend().explain(fn, *args, **kwargs)

@@ -70,6 +70,7 @@ class Region:
     chain: list[torch.fx.Node]  # projection output .. loss input, in order
     slices: list[tuple]  # leading-dim indices, applied to the hidden states
     ops: list[list]  # LossHead ops
+    constants: list[float]  # the numbers the ops refer to
     extras: list[torch.fx.Node]
     upcast: bool
     returned: torch.fx.Node | None  # a chain node that is also a graph output
@@ -276,8 +277,11 @@ def _check_cast(node: torch.fx.Node) -> None:
         raise _NoMatch("the float64 logits are cast down to float32 before the loss")
 
 
-def _row_wise_op(node: torch.fx.Node, x: torch.fx.Node, vocab_size, extras: list[torch.fx.Node]):
-    """The LossHead op for an elementwise ``node`` applied to chain tensor ``x``, else None."""
+def _row_wise_op(
+    node: torch.fx.Node, x: torch.fx.Node, vocab_size, extras: list[torch.fx.Node], constants: list[float]
+):
+    """The LossHead op for an elementwise ``node`` applied to chain tensor ``x``, else None;
+    a tensor operand is added to ``extras``, a number to ``constants``."""
     if node.target in (torch.tanh, "tanh") and node.args == (x,) and not node.kwargs:
         return ["tanh"]
     kind = _BINARY.get(node.target) if node.op in ("call_function", "call_method") else None
@@ -297,7 +301,8 @@ def _row_wise_op(node: torch.fx.Node, x: torch.fx.Node, vocab_size, extras: list
     if isinstance(other, bool):
         return None
     if isinstance(other, (int, float)):
-        return [kind, other]
+        constants.append(float(other))
+        return [kind, len(constants) - 1]
     other_val = other.meta.get("example_value") if isinstance(other, torch.fx.Node) else None
     if isinstance(other_val, (torch.SymInt, torch.SymFloat)):
         raise _NoMatch(
@@ -413,6 +418,7 @@ def match_region(loss: torch.fx.Node) -> Region:
     ops: list[list] = []
     slices: list[tuple] = []
     extras: list[torch.fx.Node] = []
+    constants: list[float] = []
     steps = [head_form if autocast_dtype is None else f"autocast({str(autocast_dtype)[6:]}) {head_form}"]
     regrouped = False  # a view has mixed leading dims: later slices cannot move to the hidden
     row_wise_only = [True]  # per chain position: reached from the projection by row-wise ops only
@@ -437,11 +443,12 @@ def match_region(loss: torch.fx.Node) -> Region:
             if value.dtype != _val(previous).dtype:
                 ops.append(["cast", "float32"])
                 steps.append("float32 upcast")
-        elif (op := _row_wise_op(current, previous, vocab_size, extras)) is not None:
+        elif (op := _row_wise_op(current, previous, vocab_size, extras, constants)) is not None:
             if value.dtype != _val(previous).dtype or tuple(value.shape) != tuple(_val(previous).shape):
                 raise _NoMatch(f"{_describe(current)} changes the logits' dtype or shape")
             ops.append(op)
-            steps.append(f"{op[0]}({op[1]})" if len(op) > 1 else op[0])
+            operand = op[1:] and (op[1] if op[0].endswith("_t") else constants[op[1]])
+            steps.append(f"{op[0]}({operand})" if len(op) > 1 else op[0])
         else:
             raise _NoMatch(
                 f"the loss input comes from {_describe(current)}, which the tiled loss does not replay"
@@ -496,6 +503,7 @@ def match_region(loss: torch.fx.Node) -> Region:
         chain=chain,
         slices=slices,
         ops=ops,
+        constants=constants,
         extras=extras,
         upcast=any(op[0] == "cast" for op in ops) or linear_val.dtype == torch.float32,
         returned=returned,
@@ -571,6 +579,7 @@ def _rewrite(
             (hidden, weight, bias, region.target, list(region.extras)),
             {
                 "head_spec": json.dumps(region.ops),
+                "constants": tuple(region.constants),
                 "ignore_index": region.ignore_index,
                 "reduction": region.reduction,
                 "label_smoothing": region.label_smoothing,
@@ -639,8 +648,14 @@ def rewrite_graph(
     tile_bytes: int | None = None,
     drop_logits: bool = False,
     compile_tiles: bool = False,
+    run_compiled_tiles: bool | None = None,
 ) -> GraphRewrite:
-    """Rewrite every exactly-matched region of ``gm`` in place; report every candidate."""
+    """Rewrite every exactly-matched region of ``gm`` in place; report every candidate.
+
+    ``compile_tiles`` is the plan (tile sizes follow its byte model, the report says it);
+    ``run_compiled_tiles`` (default: the same) is what the rewritten graph runs, which
+    ``explain`` sets to False to stay quick without changing the plan it reports."""
+    run_compiled_tiles = compile_tiles if run_compiled_tiles is None else run_compiled_tiles
     result = GraphRewrite(GraphReport(index=graph_index))
     report = result.report
     for loss in [n for n in gm.graph.nodes if _is_loss(n)]:
@@ -663,7 +678,7 @@ def rewrite_graph(
         tile_now = effective_tile(optimization_hint(num_tokens, fallback=8192), tile)
         itemsize = torch.empty((), dtype=dtype).element_size()
         returned_val = _val(region.returned) if region.returned is not None else None
-        handled = _rewrite(gm.graph, region, tile, drop_logits, compile_tiles, result)
+        handled = _rewrite(gm.graph, region, tile, drop_logits, run_compiled_tiles, result)
         kept = 0
         if returned_val is not None and not handled.startswith("dropped"):
             kept = returned_val.numel() * returned_val.element_size()
@@ -688,6 +703,7 @@ def rewrite_graph(
                 ),
                 returned_logits=handled,
                 returned_logits_bytes=_plain(kept),
+                compiled_tiles=compile_tiles,
             )
         )
     if report.rewrites:

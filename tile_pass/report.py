@@ -43,6 +43,7 @@ class Rewrite:
     backward_bytes_avoided: int | str
     returned_logits: str = "not returned"
     returned_logits_bytes: int | str = 0
+    compiled_tiles: bool = False  # each tile's softmax/loss/gradient compiled by Inductor
 
     def __str__(self) -> str:
         return (
@@ -50,7 +51,8 @@ class Rewrite:
             f"    matmul: {self.matmul_source}\n"
             f"    loss:   {self.loss_source}\n"
             f"    N={self.num_tokens} H={self.hidden_size} V={self.vocab_size} {self.dtype}, "
-            f"reduction={self.reduction}, tile={self.tile_tokens} tokens x {self.num_tiles} tiles\n"
+            f"reduction={self.reduction}, tile={self.tile_tokens} tokens x {self.num_tiles} tiles"
+            f" ({'compiled' if self.compiled_tiles else 'eager'} tiles)\n"
             f"    logits avoided: {_fmt_bytes(self.forward_bytes_avoided)} in forward, "
             f"{_fmt_bytes(self.backward_bytes_avoided)} in backward"
             + (

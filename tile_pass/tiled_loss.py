@@ -36,7 +36,10 @@ _REDUCTIONS = ("mean", "sum", "none")
 def _loss_dtype_cached(
     head_spec: str, dtype: torch.dtype, extras: tuple[tuple[torch.dtype, int], ...]
 ) -> torch.dtype:
-    head = LossHead(LossHead.parse_ops(head_spec), -100, 0.0)
+    ops = LossHead.parse_ops(head_spec)
+    # the dtype does not depend on the constants' values (Python numbers), only on the ops;
+    # each op refers to at most one constant, so len(ops) placeholders cover every index
+    head = LossHead(ops, -100, 0.0, (1.0,) * len(ops))
     # 0-d and 1-d extras promote differently: keep their rank
     meta = [torch.empty((1,) * ndim, dtype=d, device="meta") for d, ndim in extras]
     x = torch.empty(1, 1, dtype=dtype, device="meta")
@@ -94,6 +97,7 @@ def _run_tiles(
     masked prompt or padding runs only the GEMMs of its labelled tokens. Their per-token
     loss and hidden gradient are zero, as in eager.
     """
+    _check_labels(target, weight.shape[0], head.ignore_index)
     tiles = _Tiles(
         weight, bias, extras, head, tile_tokens, compile_tiles, need_hidden, need_weight, need_bias,
         keep_logits_after,
@@ -108,7 +112,7 @@ def _run_tiles(
     if token_losses_out is not None:
         token_losses_out.zero_().index_copy_(0, rows, losses)
     if grad_hidden is not None:
-        grad_hidden = torch.zeros_like(hidden).index_copy_(0, rows, grad_hidden)
+        grad_hidden = hidden.new_zeros(hidden.shape).index_copy_(0, rows, grad_hidden)
     return total, grad_hidden, grad_weight, grad_bias
 
 
@@ -161,7 +165,7 @@ def _run_tile_loop(
     )
     acc = coef.dtype
     total = hidden.new_zeros((), dtype=acc)
-    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
     weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
     bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
 
@@ -202,11 +206,48 @@ def _grads_or_empty(hidden, weight, bias, grad_h, grad_w, grad_b):
 
 
 def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
+    """What the real implementations return: contiguous gradients, whatever the inputs' layout
+    (a transposed weight's gradient is the contiguous ``[V, H]`` sum, as the tiles form it)."""
     return (
-        torch.empty_like(hidden) if need_hidden else _empty(hidden),
-        torch.empty_like(weight) if need_weight else _empty(weight),
-        torch.empty_like(bias) if need_bias else _empty(weight),
+        hidden.new_empty(hidden.shape) if need_hidden else _empty(hidden),
+        weight.new_empty(weight.shape) if need_weight else _empty(weight),
+        bias.new_empty(bias.shape) if need_bias else _empty(weight),
     )
+
+
+def _check_labels(target: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raise as eager does for a class index outside ``[0, V)``, where that costs no host sync.
+
+    On CPU a compiled tile indexes the logits with the label directly, and an out-of-range
+    one aborts the whole process; one pass over ``N`` labels turns that into eager's
+    ``IndexError``. On an accelerator the tiles' own device-side checks stand, as eager's do.
+    """
+    if target.device.type != "cpu" or target.numel() == 0:
+        return
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    if bad.any():
+        raise IndexError(f"Target {int(target[bad][0])} is out of bounds.")
+
+
+def _refuse_double_backward() -> None:
+    """Raise where a second derivative is asked for (the backward runs with grad mode on only
+    under ``create_graph=True``): the tiles' gradients were formed without a graph of their
+    own, so what would come back is silently zero."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "tile_pass: a second derivative through the tiled loss was requested (backward with "
+            "create_graph=True: gradgradcheck, a gradient penalty, a Hessian-vector product). The tiled "
+            "loss gives exact first derivatives only. For higher-order derivatives compute this loss "
+            "untiled: F.cross_entropy(F.linear(hidden, weight), target) in eager code, outside "
+            "tile_pass.linear_cross_entropy and outside a tile_pass-compiled function."
+        )
+
+
+def _no_grads_for(numbers) -> list | None:
+    """The backward's entry for a ``float[]`` input, in the structure autograd compares it with:
+    custom ops flatten a list only when every element is a tensor, so an empty list is a list
+    (of no gradients) and a list of numbers is one leaf (one ``None``)."""
+    return None if len(numbers) else []
 
 
 def _check_needed(ctx):
@@ -229,6 +270,7 @@ def _linear_ce_reduced(
     target: torch.Tensor,
     extras: list[torch.Tensor],
     head_spec: str,
+    constants: list[float],
     ignore_index: int,
     label_smoothing: float,
     mean: bool,
@@ -239,7 +281,7 @@ def _linear_ce_reduced(
     need_bias: bool,
     keep_logits_after: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing)
+    head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing, tuple(constants))
     logits_out = _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after)
     valid = target != ignore_index
     count = valid.sum()
@@ -257,7 +299,7 @@ def _linear_ce_reduced(
 
 
 @_linear_ce_reduced.register_fake
-def _(hidden, weight, bias, target, extras, head_spec, ignore_index, label_smoothing, mean,
+def _(hidden, weight, bias, target, extras, head_spec, constants, ignore_index, label_smoothing, mean,
       tile_tokens, compile_tiles, need_hidden, need_weight, need_bias, keep_logits_after):  # fmt: skip
     loss = hidden.new_empty((), dtype=_loss_dtype(hidden, head_spec, extras))
     logits = _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after)
@@ -274,8 +316,8 @@ def _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after: int) ->
 
 
 def _reduced_setup_context(ctx, inputs, output):
-    ctx.need = inputs[11:14]
-    ctx.num_extras = len(inputs[4])
+    ctx.need = inputs[12:15]
+    ctx.num_extras, ctx.constants_grad = len(inputs[4]), _no_grads_for(inputs[6])
     ctx.mark_non_differentiable(output[4])  # returned logits: see _returned_logits
     ctx.save_for_backward(*output[1:4])
 
@@ -285,9 +327,10 @@ def _reduced_vjp(ctx, grad_loss, _grad_h, _grad_w, _grad_b, _grad_logits):
     # forward at unit upstream gradient; the loss is a scalar, so the chain rule only
     # scales them by the incoming gradient.
     _check_needed(ctx)
+    _refuse_double_backward()
     saved = ctx.saved_tensors
     grads = [(saved[i] * grad_loss).to(saved[i].dtype) if ctx.need[i] else None for i in range(3)]
-    return (*grads, None, [None] * ctx.num_extras, *[None] * 10)
+    return (*grads, None, [None] * ctx.num_extras, None, ctx.constants_grad, *[None] * 9)
 
 
 _linear_ce_reduced.register_autograd(_reduced_vjp, setup_context=_reduced_setup_context)
@@ -304,12 +347,13 @@ def _linear_ce_tokens(
     target: torch.Tensor,
     extras: list[torch.Tensor],
     head_spec: str,
+    constants: list[float],
     ignore_index: int,
     label_smoothing: float,
     tile_tokens: int,
     compile_tiles: bool,
 ) -> torch.Tensor:
-    head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing)
+    head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing, tuple(constants))
     out = hidden.new_empty((hidden.shape[0],), dtype=_loss_dtype(hidden, head_spec, extras))
     coef = hidden.new_zeros((hidden.shape[0],), dtype=_acc_dtype(hidden))
     _run_tiles(
@@ -320,8 +364,9 @@ def _linear_ce_tokens(
 
 @_linear_ce_tokens.register_fake
 def _(
-    hidden, weight, bias, target, extras, head_spec, ignore_index, label_smoothing, tile_tokens, compile_tiles
-):
+    hidden, weight, bias, target, extras, head_spec, constants, ignore_index, label_smoothing, tile_tokens,
+    compile_tiles,
+):  # fmt: skip
     return hidden.new_empty((hidden.shape[0],), dtype=_loss_dtype(hidden, head_spec, extras))
 
 
@@ -334,6 +379,7 @@ def _linear_ce_tokens_backward(
     target: torch.Tensor,
     extras: list[torch.Tensor],
     head_spec: str,
+    constants: list[float],
     ignore_index: int,
     label_smoothing: float,
     tile_tokens: int,
@@ -342,7 +388,7 @@ def _linear_ce_tokens_backward(
     need_weight: bool,
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing)
+    head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing, tuple(constants))
     _, *grads = _run_tiles(
         hidden, weight, bias, target, extras, grad_tokens.to(_acc_dtype(hidden)), head, tile_tokens,
         compile_tiles, need_hidden, need_weight, need_bias,
@@ -351,7 +397,7 @@ def _linear_ce_tokens_backward(
 
 
 @_linear_ce_tokens_backward.register_fake
-def _(grad_tokens, hidden, weight, bias, target, extras, head_spec, ignore_index, label_smoothing,
+def _(grad_tokens, hidden, weight, bias, target, extras, head_spec, constants, ignore_index, label_smoothing,
       tile_tokens, compile_tiles, need_hidden, need_weight, need_bias):  # fmt: skip
     return _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
@@ -359,13 +405,14 @@ def _(grad_tokens, hidden, weight, bias, target, extras, head_spec, ignore_index
 def _tokens_setup_context(ctx, inputs, output):
     hidden, weight, bias, target, extras, *options = inputs
     ctx.options = options
-    ctx.num_extras = len(extras)
+    ctx.num_extras, ctx.constants_grad = len(extras), _no_grads_for(options[1])
     ctx.save_for_backward(hidden, weight, bias, target, *extras)
 
 
 def _tokens_vjp(ctx, grad_tokens):
     # The per-token gradient becomes the token weights of a re-run of the tiles, whose
     # gradient is derived (see _tile_kernel): an exact vector-Jacobian product.
+    _refuse_double_backward()
     hidden, weight, bias, target, *extras = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     need = (need[0], need[1], need[2] and bias is not None)
@@ -376,7 +423,7 @@ def _tokens_vjp(ctx, grad_tokens):
         grad_h if need[0] else None,
         grad_w if need[1] else None,
         grad_b if need[2] else None,
-        None, [None] * ctx.num_extras, None, None, None, None, None,
+        None, [None] * ctx.num_extras, None, ctx.constants_grad, *[None] * (len(ctx.options) - 2),
     )  # fmt: skip
 
 
@@ -404,6 +451,7 @@ def tiled_region_loss(
     extras: list[torch.Tensor],
     *,
     head_spec: str,
+    constants: tuple[float, ...] = (),
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
@@ -413,7 +461,8 @@ def tiled_region_loss(
 ):
     """The loss of a matched region, tiled: flattens tokens and picks the op for ``reduction``.
 
-    ``head_spec`` is the JSON list of :class:`~tile_pass._tile_kernel.LossHead` ops.
+    ``head_spec`` is the JSON list of :class:`~tile_pass._tile_kernel.LossHead` ops (names and
+    operand indices only) and ``constants`` the numbers they refer to.
     ``compile_tiles`` compiles the elementwise middle of the tile function (softmax, loss,
     logits gradient) with Inductor, once per tile shape; the GEMMs stay library calls. With
     ``keep_logits_after=k`` (mean/sum only) it returns ``(loss, logits)``: the ``[N, V]``
@@ -431,7 +480,7 @@ def tiled_region_loss(
                 "tile_pass: a tensor between the LM head and the loss requires grad; "
                 "learnable logit scales/biases are not supported by the tiled loss yet"
             )
-    options = (head_spec, int(ignore_index), float(label_smoothing))
+    options = (head_spec, [float(c) for c in constants], int(ignore_index), float(label_smoothing))
     if reduction == "none":
         if keep_logits_after >= 0:
             raise ValueError("keep_logits_after needs reduction mean or sum")
@@ -475,7 +524,8 @@ def linear_cross_entropy(
     loss in the logits' own dtype, like calling ``F.cross_entropy`` on half-precision
     logits; float64 inputs are never downcast. ``logit_scale`` multiplies the logits and
     ``softcap`` caps them (``softcap * tanh(logits / softcap)``, Gemma 2) before the upcast,
-    inside each tile. With ``reduction="none"`` the result has shape ``[N]``.
+    inside each tile. With ``reduction="none"`` the result has the target's shape, as with
+    ``F.cross_entropy`` (``()`` for one unbatched token).
     ``compile_tiles=True`` compiles each tile's softmax/loss/gradient with Inductor (faster
     steps, a one-off compile per tile shape).
 
@@ -507,6 +557,7 @@ def linear_cross_entropy(
             f"target must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])} (one class index per "
             f"token) or be 1-D, got {tuple(target.shape)}"
         )
+    target_shape = target.shape
     hidden = _flatten_tokens(hidden)
     target = target.reshape(-1)
     if target.shape[0] != hidden.shape[0]:
@@ -523,12 +574,15 @@ def linear_cross_entropy(
             f"{hidden.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}"
         )
     upcast = bool(upcast) and hidden.dtype in (torch.float16, torch.bfloat16)
-    ops = []  # the head spec, written without json so Dynamo can trace this function
+    # the head spec (written without json, so Dynamo can trace this function) names the ops;
+    # their numbers travel as numbers
+    ops, constants = [], []
     if logit_scale is not None:
-        ops.append(f'["mul", {float(logit_scale)!r}]')
+        ops.append('["mul", 0]')
+        constants.append(float(logit_scale))
     if softcap is not None:
-        cap = repr(float(softcap))
-        ops += [f'["div", {cap}]', '["tanh"]', f'["mul", {cap}]']
+        ops += [f'["div", {len(constants)}]', '["tanh"]', f'["mul", {len(constants)}]']
+        constants.append(float(softcap))
     if upcast:
         ops.append('["cast", "float32"]')
     tile = choose_tile_tokens(
@@ -537,7 +591,9 @@ def linear_cross_entropy(
     )  # fmt: skip
     if tile_tokens is None:
         tile = auto_tile(tile)
-    return tiled_region_loss(
-        hidden, weight, bias, target, [], head_spec="[" + ", ".join(ops) + "]", ignore_index=ignore_index,
-        reduction=reduction, label_smoothing=label_smoothing, tile_tokens=tile, compile_tiles=compile_tiles,
+    loss = tiled_region_loss(
+        hidden, weight, bias, target, [], head_spec="[" + ", ".join(ops) + "]", constants=tuple(constants),
+        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, tile_tokens=tile,
+        compile_tiles=compile_tiles,
     )  # fmt: skip
+    return loss.view(target_shape) if reduction == "none" else loss
