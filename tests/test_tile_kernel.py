@@ -28,7 +28,14 @@ T, H, V = 32, 16, 96
 
 
 def key_for(
-    dtype, ops=(), constants=(), bias=False, keep_logits_after=-1, compiled=True, need_hidden=True, onednn=False
+    dtype,
+    ops=(),
+    constants=(),
+    bias=False,
+    keep_logits_after=-1,
+    compiled=True,
+    need_hidden=True,
+    onednn=False,
 ):
     return KernelKey(
         head=LossHead(tuple(ops), ignore_index=-100, label_smoothing=0.1, constants=constants),

@@ -5,8 +5,10 @@
 loss whose backward is derived, so the ``[tokens, vocab]`` logits never exist whole.
 """
 
-from tile_pass import _logging  # noqa: F401  (registers TORCH_LOGS="tile_pass")
-from tile_pass import _settings  # noqa: F401  (reads TILE_PASS_* once; a bad value fails here)
+from tile_pass import (
+    _logging,  # noqa: F401  (registers TORCH_LOGS="tile_pass")
+    _settings,  # noqa: F401  (reads TILE_PASS_* once; a bad value fails here)
+)
 from tile_pass._tile_kernel import clear_caches
 from tile_pass.backend import Backend, backend, default_backend, explain, tile_pass_backend
 from tile_pass.decorator import TiledLossNotApplied, tiled_loss

@@ -39,7 +39,8 @@ class _LogitsGrad(torch.autograd.Function):
             higher_order = torch.is_grad_enabled()
             with torch.enable_grad():
                 replay = [
-                    t if higher_order else t.detach().requires_grad_(i in wanted) for i, t in enumerate(inputs)
+                    t if higher_order else t.detach().requires_grad_(i in wanted)
+                    for i, t in enumerate(inputs)
                 ]
                 logits = ctx.prefix(*replay)
                 derived = torch.autograd.grad(
