@@ -218,6 +218,26 @@ def test_backend_validate_true_passes_and_returns_the_result():
     assert w.grad is not None
 
 
+def test_backend_validate_says_when_it_could_not_use_float64():
+    """A graph that cannot run in float64 (a float32 tensor made inside it) is checked against a
+    same-dtype run, and the result says so instead of passing as a float64 check."""
+    h, w, y = _inputs()
+
+    def head(h, w, y):
+        bias = torch.zeros(w.shape[0])  # float32 whatever the inputs: float64 F.linear rejects it
+        return F.cross_entropy(F.linear(h, w, bias).view(-1, w.shape[0]), y.view(-1))
+
+    backend = tile_pass.backend("aot_eager", validate=True)
+    torch.compile(head, backend=backend)(h, w, y).backward()
+    (graph,) = backend.report().graphs
+    assert graph.rewrites and graph.validation.ok
+    assert graph.validation.oracle.startswith("same-dtype eager (float64 eager failed: RuntimeError")
+    assert str(graph.validation).startswith("oracle: same-dtype eager")
+    clean = tile_pass.backend("aot_eager", validate=True)
+    torch.compile(models.f_linear_view_float, backend=clean)(h, w, y)
+    assert clean.report().graphs[0].validation.oracle == "float64 eager"
+
+
 # ---------------------------------------------------------------------------------- CLI
 
 
@@ -246,6 +266,27 @@ def test_cli_with_factory_and_json():
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert len(data["rewrites"]) == 1
+
+
+def test_cli_explains_a_zero_argument_step(tmp_path):
+    """A step that builds its own inputs and computes the loss is explained as it is."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, torch.nn.functional as F\n"
+        "h = torch.randn(16, 8, requires_grad=True)\n"
+        "w = torch.randn(40, 8, requires_grad=True)\n"
+        "y = torch.randint(0, 40, (16,))\n"
+        "def step():\n"
+        "    loss = F.cross_entropy(F.linear(h, w), y)\n"
+        "    loss.backward()\n"
+        "    return loss\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "tile_pass", "explain", f"{script}:step"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "1 region(s) rewritten" in proc.stdout and "train.py:6 (step)" in proc.stdout
 
 
 def test_cli_bad_spec_says_what_is_expected():

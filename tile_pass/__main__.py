@@ -1,9 +1,15 @@
 """``python -m tile_pass explain path/to/script.py:function [--args SPEC] [--json]``.
 
-``function`` is either called with random tensors built from ``--args`` (e.g.
-``"float32[8,16,64] float32[1000,64] int64[8,16]<1000"``: dtype, shape, and for integer
-dtypes an exclusive upper bound), or, without ``--args``, called with no arguments and
-expected to return ``(fn, args)`` or ``(fn, args, kwargs)`` to explain.
+``function`` is one of:
+
+* a function of tensors, called with random ones built from ``--args`` (e.g.
+  ``"float32[8,16,64] float32[1000,64] int64[8,16]<1000"``: dtype, shape, and for integer
+  dtypes an exclusive upper bound);
+* a factory: without ``--args`` it is called once eagerly and returns ``(fn, args)`` or
+  ``(fn, args, kwargs)``, and ``fn`` is explained;
+* a step: without ``--args`` it takes no arguments and computes the loss itself (returns
+  anything but such a tuple); it is explained as it is, so it runs twice, once eagerly to
+  tell it from a factory and once compiled.
 """
 
 from __future__ import annotations
@@ -61,6 +67,17 @@ def load_target(target: str):
         raise SystemExit(f"{path} has no attribute {name!r}") from None
 
 
+def _is_factory_result(made) -> bool:
+    """``(fn, args)`` or ``(fn, args, kwargs)``, as a factory returns."""
+    return (
+        isinstance(made, tuple)
+        and len(made) in (2, 3)
+        and callable(made[0])
+        and isinstance(made[1], (tuple, list))
+        and (len(made) == 2 or isinstance(made[2], dict))
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tile_pass", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,11 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         fn, args, kwargs = target, parse_args_spec(options.args), {}
     else:
         made = target()
-        if not (isinstance(made, tuple) and len(made) in (2, 3) and callable(made[0])):
-            raise SystemExit(
-                f"{options.target}() must return (fn, args) or (fn, args, kwargs); or pass --args"
-            )
-        fn, args, kwargs = made[0], made[1], made[2] if len(made) == 3 else {}
+        if _is_factory_result(made):
+            fn, args, kwargs = made[0], made[1], made[2] if len(made) == 3 else {}
+        else:  # a zero-argument step that computes its own loss
+            fn, args, kwargs = target, (), {}
     backend = tile_pass.backend(tile_tokens=options.tile_tokens, drop_logits=options.drop_logits)
     report = backend.explain(fn, *args, **kwargs)
     print(report.to_json() if options.json else report)

@@ -100,7 +100,12 @@ class Backend:
             num_outputs = result.num_outputs or len(
                 next(n for n in gm.graph.nodes if n.op == "output").args[0]
             )
-            compiled = validating_call(original, compiled, num_outputs)
+            compiled = validating_call(
+                original,
+                compiled,
+                num_outputs,
+                on_result=lambda result: setattr(report, "validation", result),
+            )
         return compiled
 
     def report(self) -> Report:

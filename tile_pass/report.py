@@ -83,6 +83,9 @@ class GraphReport:
     index: int
     rewrites: list[Rewrite] = field(default_factory=list)
     skipped: list[Skip] = field(default_factory=list)
+    #: with ``backend(validate=True)``: the ValidationResult of the first call (its ``oracle``
+    #: says what the rewrite was compared with)
+    validation: Any = None
 
 
 @dataclass
