@@ -185,3 +185,67 @@ def test_functional_api_inside_compiled_code_fullgraph():
     )
     assert_close_to_oracle(out, ref, torch.float64, "loss")
     assert_close_to_oracle(grads[1], ref_grads[1], torch.float64, "grad weight")
+
+
+# --------------------------------------------------------------- compile modes and options
+
+
+@pytest.fixture
+def inductor_configs(monkeypatch):
+    """The Inductor config patches every compile_fx call of the rewritten graph receives."""
+    from torch._inductor import compile_fx as compile_fx_module
+
+    seen, real = [], compile_fx_module.compile_fx
+
+    def spy(gm, example_inputs, *args, config_patches=None, **kwargs):
+        seen.append(dict(config_patches or {}))
+        return real(gm, example_inputs, *args, config_patches=config_patches, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["torch.compile(mode='max-autotune')", "backend(options={'max_autotune': True})"],
+)
+def test_mode_and_options_reach_the_inner_inductor(how, inductor_configs):
+    """They used to raise TypeError at the first call (``mode`` reached the backend as a kwarg)."""
+    h, w, y = inputs("cpu")
+    h, w = h.float().requires_grad_(), w.float()
+    if how.startswith("torch.compile"):
+        tile_pass.default_backend().reports.clear()
+        compiled = torch.compile(models.f_linear_view_float, backend="tile_pass", mode="max-autotune")
+        report = tile_pass.default_backend().report
+    else:
+        backend = tile_pass.backend(options={"max_autotune": True}, compile_tiles=False)
+        assert "options={'max_autotune': True}" in repr(backend)
+        compiled = torch.compile(models.f_linear_view_float, backend=backend)
+        report = backend.report
+    loss = compiled(h, w, y)
+    loss.backward()
+    torch.testing.assert_close(loss, models.f_linear_view_float(h, w, y))
+    assert len(report().rewrites) == 1
+    assert any(patches.get("max_autotune") for patches in inductor_configs)
+
+
+def test_mode_and_options_refused_where_they_cannot_apply():
+    with pytest.raises(ValueError, match="configure Inductor.*inner='aot_eager'"):
+        tile_pass.backend("aot_eager", options={"max_autotune": True})
+    with pytest.raises(ValueError, match="configure Inductor.*a backend callable"):
+        tile_pass.backend(lambda gm, example_inputs: gm.forward, mode="max-autotune")
+    with pytest.raises(RuntimeError, match="Unexpected optimization option no_such_option"):
+        tile_pass.backend(options={"no_such_option": 1})
+    h, w, y = inputs("cpu")
+    h, w = h.float(), w.float()
+    compiled = torch.compile(
+        models.f_linear_view_float, backend=tile_pass.backend("eager"), mode="max-autotune"
+    )
+    with pytest.raises(Exception, match="configure Inductor.*inner='eager'"):
+        compiled(h, w, y)
+
+
+def test_custom_inner_callable_gets_compiled_tiles():
+    """A custom inner compiler used to turn compiled tiles off without a word."""
+    assert tile_pass.backend(lambda gm, example_inputs: gm.forward).compile_tiles
+    assert not tile_pass.backend("aot_eager").compile_tiles

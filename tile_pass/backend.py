@@ -21,16 +21,30 @@ CompilerFn = Callable[[torch.fx.GraphModule, Sequence[Any]], Callable]
 _INNER_NAMES = ("inductor", "aot_eager", "eager")
 
 
-def _resolve_inner(inner: str | CompilerFn) -> CompilerFn:
+def _resolve_inner(
+    inner: str | CompilerFn, mode: str | None = None, options: dict[str, Any] | None = None
+) -> CompilerFn:
+    """The inner compiler; ``mode`` and ``options`` configure Inductor exactly as
+    ``torch.compile(mode=..., options=...)`` would (and are validated the same way)."""
+    if not callable(inner) and inner not in _INNER_NAMES:
+        raise ValueError(
+            f"inner must be one of {_INNER_NAMES} or a torch.compile backend callable, got {inner!r}"
+        )
+    configured = (mode is not None and mode != "default") or bool(options)
+    if configured and inner != "inductor":
+        what = "a backend callable" if callable(inner) else f"inner={inner!r}"
+        raise ValueError(
+            f"mode={mode!r} / options={options!r} configure Inductor, but the rewritten graph is compiled "
+            f"by {what}, which takes neither. Use inner='inductor', or drop mode/options (configure your "
+            "own backend callable itself)."
+        )
     if callable(inner):
         return inner
     if inner == "eager":
         return lambda gm, example_inputs: gm.forward
-    if inner in _INNER_NAMES:
-        return torch._dynamo.lookup_backend(inner)
-    raise ValueError(
-        f"inner must be one of {_INNER_NAMES} or a torch.compile backend callable, got {inner!r}"
-    )
+    if configured:
+        return torch._TorchCompileInductorWrapper(mode, options, None)
+    return torch._dynamo.lookup_backend(inner)
 
 
 class Backend:
@@ -49,6 +63,8 @@ class Backend:
         dump_dir: str | None = None,
         validate: bool = False,
         compile_tiles: bool | None = None,
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
         keep_reports: int = 64,
     ):
         if tile_tokens is not None and tile_tokens < 1:
@@ -61,14 +77,35 @@ class Backend:
         self.drop_logits = drop_logits
         self.dump_dir = dump_dir
         self.validate = validate
-        self.compile_tiles = (inner == "inductor") if compile_tiles is None else compile_tiles
-        self._inner = _resolve_inner(inner)
+        # tiles are compiled by Inductor unless the graph itself is run by a debugging
+        # compiler (eager, aot_eager); a custom callable gets compiled tiles, as inductor does
+        self.compile_tiles = (inner not in ("eager", "aot_eager")) if compile_tiles is None else compile_tiles
+        self.mode = mode
+        self.options = dict(options) if options else None
+        self._inner = _resolve_inner(inner, mode, self.options)
         # explain's recorder sizes tiles as the explained backend does but runs them eagerly
         self._run_tiles_compiled = self.compile_tiles
         self._graphs_seen = 0
         self.reports: collections.deque[GraphReport] = collections.deque(maxlen=keep_reports)
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    def __call__(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        *,
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> Callable:
+        """Rewrite ``gm`` and compile it with the inner compiler. ``mode`` and ``options`` are
+        what ``torch.compile(..., mode=..., options=...)`` hands a backend; they configure
+        the inner Inductor on top of this backend's own (torch.compile's win)."""
+        inner_compiler = self._inner
+        if (mode is not None and mode != "default") or options:
+            inner_compiler = _resolve_inner(
+                self.inner,
+                mode if mode is not None else self.mode,
+                {**(self.options or {}), **(options or {})},
+            )
         dump_dir = self.dump_dir or _dump.dump_dir_from_env()
         before = _dump.readable(gm) if dump_dir or _dump.structured_tracing_enabled() else None
         if dump_dir:
@@ -93,7 +130,7 @@ class Backend:
         if report.rewrites:
             log.debug("rewritten graph %d:\n%s", report.index, gm.code)
         _dump.emit(gm, before, report, dump_dir)
-        compiled = self._inner(gm, example_inputs)
+        compiled = inner_compiler(gm, example_inputs)
         if result.returned_logits:
             compiled = _with_rebuilt_outputs(compiled, result.num_outputs, result.returned_logits)
         if original is not None and report.rewrites:
@@ -140,7 +177,10 @@ class Backend:
         return (
             f"tile_pass.backend(inner={self.inner!r}, tile_tokens={self.tile_tokens}, "
             f"tile_bytes={self.tile_bytes}, drop_logits={self.drop_logits}, dump_dir={self.dump_dir!r}, "
-            f"validate={self.validate}, compile_tiles={self.compile_tiles})"
+            f"validate={self.validate}, compile_tiles={self.compile_tiles}"
+            + (f", mode={self.mode!r}" if self.mode else "")
+            + (f", options={self.options!r}" if self.options else "")
+            + ")"
         )
 
 
@@ -161,6 +201,8 @@ def backend(
     dump_dir: str | None = None,
     validate: bool = False,
     compile_tiles: bool | None = None,
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Backend:
     """A configured backend: ``torch.compile(model, backend=tile_pass.backend(...))``.
 
@@ -177,8 +219,13 @@ def backend(
     before and after the rewrite as readable Python and, where graphviz is installed, SVG.
     ``validate=True`` checks each rewritten graph on its first call against the original
     graph run eagerly in float64 (outputs and gradients) and raises on disagreement.
-    ``compile_tiles`` (default: when ``inner`` is inductor) compiles each tile's elementwise
-    work (softmax, loss, logits gradient) with Inductor, once per tile shape.
+    ``compile_tiles`` (default: unless ``inner`` is ``"eager"`` or ``"aot_eager"``) compiles
+    each tile's elementwise work (softmax, loss, logits gradient) with Inductor, once per
+    tile shape. ``mode`` and ``options`` configure the inner Inductor as
+    ``torch.compile(mode=..., options=...)`` would (``"max-autotune"``, ``"reduce-overhead"``,
+    ``{"max_autotune": True}``); they raise for any other inner compiler. They apply to the
+    rewritten graph; the tiles' elementwise middle keeps Inductor's defaults (it holds no GEMM
+    for max-autotune to tune: the tiles' GEMMs are library calls).
     """
     return Backend(
         inner,
@@ -188,6 +235,8 @@ def backend(
         dump_dir=dump_dir,
         validate=validate,
         compile_tiles=compile_tiles,
+        mode=mode,
+        options=options,
     )
 
 
@@ -211,9 +260,12 @@ def default_backend() -> Backend:
     return _default_backend
 
 
-def tile_pass_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-    """``backend="tile_pass"``: the default configuration, inner compiler inductor."""
-    return default_backend()(gm, example_inputs)
+def tile_pass_backend(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **compile_options: Any
+) -> Callable:
+    """``backend="tile_pass"``: the default configuration, inner compiler inductor;
+    ``torch.compile``'s ``mode=`` and ``options=`` reach that Inductor."""
+    return default_backend()(gm, example_inputs, **compile_options)
 
 
 def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
