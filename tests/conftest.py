@@ -5,6 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tile_pass
+
+try:  # installed: the entry point names the backend; from a source tree (offline GPU machines) it does not
+    torch._dynamo.lookup_backend("tile_pass")
+except torch._dynamo.exc.InvalidBackend:
+    torch._dynamo.register_backend(tile_pass.tile_pass_backend, name="tile_pass")
+
 CUDA = torch.cuda.is_available()
 DEVICES = [
     "cpu",
