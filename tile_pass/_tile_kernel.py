@@ -63,6 +63,20 @@ def _apply_op(x: torch.Tensor, op: tuple, extras: list[torch.Tensor], constants:
 HEAD_OPS = ("cast", "tanh", "mul", "div", "add", "sub", "rsub", "mul_t", "div_t", "add_t", "sub_t", "rsub_t")
 
 
+def encode_head_spec(ops, class_weight: int | None = None, soft_targets: bool = False) -> str:
+    """The custom ops' text form of a head: op names and operand indices, which extra holds
+    the class weights, whether targets are class probabilities. No numbers but indices (the
+    constants travel as numbers) and no ``json`` (Dynamo traces the functional API's call)."""
+
+    def item(arg):
+        return f'"{arg}"' if isinstance(arg, str) else str(int(arg))
+
+    encoded = ", ".join("[" + ", ".join(item(a) for a in op) + "]" for op in ops)
+    weight = "null" if class_weight is None else str(int(class_weight))
+    soft = "true" if soft_targets else "false"
+    return f'{{"ops": [{encoded}], "class_weight": {weight}, "soft_targets": {soft}}}'
+
+
 @dataclass(frozen=True)
 class LossHead:
     """What a matched region computes from the hidden states of one tile of tokens.
@@ -79,6 +93,8 @@ class LossHead:
     ignore_index: int
     label_smoothing: float
     constants: tuple[float, ...] = field(default=(), compare=False)
+    class_weight: int = -1  # >= 0: extras[class_weight] are F.cross_entropy's weight=, [V]
+    soft_targets: bool = False  # targets are class probabilities, [tile, V]
     # what compares and hashes in place of ``constants``: their bits, so that a NaN constant
     # finds its cached kernel (``nan != nan``) and ``0.0`` and ``-0.0`` get kernels of their own
     _constant_bits: tuple[str, ...] = field(default=(), init=False, repr=False)
@@ -89,11 +105,29 @@ class LossHead:
 
     @staticmethod
     def parse_ops(spec: str) -> tuple[tuple, ...]:
-        ops = tuple(tuple(op) for op in json.loads(spec))
+        """The row-wise ops of a head spec (see :func:`encode_head_spec`)."""
+        return LossHead._parse(spec)[0]
+
+    @staticmethod
+    @functools.lru_cache(maxsize=512)
+    def _parse(spec: str) -> tuple[tuple[tuple, ...], int, bool]:
+        decoded = json.loads(spec)
+        if isinstance(decoded, list):  # the ops alone
+            decoded = {"ops": decoded}
+        ops = tuple(tuple(op) for op in decoded["ops"])
         for op in ops:
             if not op or op[0] not in HEAD_OPS:
                 raise ValueError(f"unknown tile op {op!r} in head spec {spec!r}")
-        return ops
+        class_weight = decoded.get("class_weight")
+        class_weight = -1 if class_weight is None else int(class_weight)
+        return ops, class_weight, bool(decoded.get("soft_targets", False))
+
+    @classmethod
+    def from_spec(
+        cls, spec: str, ignore_index: int, label_smoothing: float, constants: tuple[float, ...] = ()
+    ) -> LossHead:
+        ops, class_weight, soft_targets = cls._parse(spec)
+        return cls(ops, ignore_index, label_smoothing, tuple(constants), class_weight, soft_targets)
 
     def logits(self, hidden, weight, bias, extras, keep_after: int = -1):
         """The logits the loss sees; with ``keep_after=k`` also those after the first k ops."""
@@ -119,6 +153,7 @@ class LossHead:
         losses = F.cross_entropy(
             logits,
             target,
+            weight=extras[self.class_weight] if self.class_weight >= 0 else None,
             ignore_index=self.ignore_index,
             reduction="none",
             label_smoothing=self.label_smoothing,
@@ -154,7 +189,7 @@ def _inputs_of(key: KernelKey) -> list[tuple[str, tuple[int, ...], torch.dtype]]
     inputs = [("hidden", (T, H), key.hidden_dtype), ("weight", (V, H), key.weight_dtype)]
     if key.bias_dtype is not None:
         inputs.append(("bias", (V,), key.bias_dtype))
-    inputs.append(("target", (T,), key.target_dtype))
+    inputs.append(("target", (T, V) if key.head.soft_targets else (T,), key.target_dtype))
     inputs += [(f"extra_{i}", shape, dtype) for i, (shape, dtype) in enumerate(key.extras)]
     inputs.append(("coef", (T,), key.acc_dtype))
     if key.need_weight:

@@ -20,7 +20,6 @@ independently; then it can run inside each tile:
 from __future__ import annotations
 
 import inspect
-import json
 import operator
 from dataclasses import dataclass, field
 
@@ -29,6 +28,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
+from tile_pass._tile_kernel import encode_head_spec
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile
 from tile_pass.report import GraphReport, Rewrite, Skip, source_line
 from tile_pass.tiled_loss import tiled_region_loss
@@ -71,6 +71,8 @@ class Region:
     slices: list[tuple]  # leading-dim indices, applied to the hidden states
     ops: list[list]  # LossHead ops
     constants: list[float]  # the numbers the ops refer to
+    class_weight: int | None  # index of the loss's class weights in ``extras``
+    soft_targets: bool  # the target holds class probabilities [tokens, vocab]
     extras: list[torch.fx.Node]
     upcast: bool
     returned: torch.fx.Node | None  # a chain node that is also a graph output
@@ -191,10 +193,6 @@ def _loss_options(loss: torch.fx.Node) -> tuple[dict, list[torch.fx.Node], list[
     """
     if loss.target is F.cross_entropy:
         options = _bind(_CE_SIGNATURE, loss, "cross_entropy")
-        if options["weight"] is not None:
-            raise _NoMatch(
-                "cross_entropy has class weights (weight=...), which the tiled loss does not support yet"
-            )
         return options, [], []
     options = _bind(_NLL_SIGNATURE, loss, "nll_loss")
     log_probs = options["input"]
@@ -204,8 +202,6 @@ def _loss_options(loss: torch.fx.Node) -> tuple[dict, list[torch.fx.Node], list[
         and log_probs.target in (F.log_softmax, torch.log_softmax, "log_softmax")
     ):
         raise _NoMatch(f"nll_loss's input comes from {_describe(log_probs)}, not from log_softmax")
-    if options["weight"] is not None:
-        raise _NoMatch("nll_loss has class weights (weight=...), which the tiled loss does not support yet")
     ls_options = _bind(_LOG_SOFTMAX_SIGNATURE, log_probs, "log_softmax")
     log_probs_val, dim = _val(log_probs), ls_options["dim"]
     if log_probs_val is None or not isinstance(dim, int) or dim % log_probs_val.dim() != 1:
@@ -224,6 +220,18 @@ def _loss_options(loss: torch.fx.Node) -> tuple[dict, list[torch.fx.Node], list[
         )
     options = dict(options, input=ls_options["input"], label_smoothing=0.0)
     return options, [log_probs], extra_ops
+
+
+def _class_weights(weight, vocab) -> torch.fx.Node | None:
+    """The loss's ``weight=`` node, if it is a class-weight vector the tiles can take."""
+    if weight is None:
+        return None
+    weight_val = _val(weight)
+    if weight_val is None or weight_val.dim() != 1 or not _same(weight_val.shape[0], vocab):
+        raise _NoMatch("the loss's class weights (weight=) are not a [V] tensor of this graph")
+    if weight_val.requires_grad:
+        raise _NoMatch("the loss's class weights require grad; eager cannot differentiate them either")
+    return weight
 
 
 def _check_options(options: dict) -> None:
@@ -357,12 +365,21 @@ def match_region(loss: torch.fx.Node) -> Region:
             f"the loss input is {logits_val.dim()}-D; only [tokens, vocab] logits are tiled "
             "(flatten with .view(-1, V) before the loss)"
         )
-    if target_val.is_floating_point():
-        raise _NoMatch("the target holds class probabilities, not class indices")
-    if target_val.dtype != torch.int64:
+    soft_targets = target_val.is_floating_point()
+    if soft_targets:
+        if erase:
+            raise _NoMatch("nll_loss takes class indices, not class probabilities")
+        if tuple(target_val.shape) != tuple(logits_val.shape) and not all(
+            _same(a, b) for a, b in zip(target_val.shape, logits_val.shape, strict=False)
+        ):
+            raise _NoMatch("the class-probability target does not have the logits' [tokens, vocab] shape")
+        if target_val.dim() != 2:
+            raise _NoMatch("the class-probability target is not [tokens, vocab]")
+    elif target_val.dtype != torch.int64:
         raise _NoMatch(f"the target dtype is {target_val.dtype}; eager cross_entropy expects int64")
-    if target_val.dim() != 1 or not _same(target_val.shape[0], logits_val.shape[0]):
+    elif target_val.dim() != 1 or not _same(target_val.shape[0], logits_val.shape[0]):
         raise _NoMatch("the target shape does not match the logits' token count")
+    class_weight = _class_weights(options["weight"], logits_val.shape[-1])
     vocab = logits_val.shape[-1]
 
     chain: list[torch.fx.Node] = []  # loss input back to (excluding) the projection
@@ -464,10 +481,21 @@ def match_region(loss: torch.fx.Node) -> Region:
             raise _NoMatch(f"the loss computes in {loss_val.dtype}, not in its input's dtype")
         ops.append(["cast", "float32"])  # autocast runs the loss in float32
         steps.append("float32 (autocast)")
+        cast_by_autocast = [n for n in (class_weight, target if soft_targets else None) if n is not None]
+        if any(_val(n).dtype != torch.float32 for n in cast_by_autocast):
+            raise _NoMatch(
+                "autocast casts the loss's class weights or probability targets to float32 as well; "
+                "that is not replayed yet (make them float32)"
+            )
+    if class_weight is not None:
+        extras.append(class_weight)
     steps.append(
         ("log_softmax + nll_loss" if erase else "cross_entropy")
-        + f"(reduction={options['reduction']}, ignore_index={options['ignore_index']}"
+        + f"(reduction={options['reduction']}"
+        + ("" if soft_targets else f", ignore_index={options['ignore_index']}")
         + (f", label_smoothing={options['label_smoothing']}" if options["label_smoothing"] else "")
+        + (", class weights" if class_weight is not None else "")
+        + (", class probabilities" if soft_targets else "")
         + ")"
     )
 
@@ -504,6 +532,8 @@ def match_region(loss: torch.fx.Node) -> Region:
         slices=slices,
         ops=ops,
         constants=constants,
+        class_weight=None if class_weight is None else extras.index(class_weight),
+        soft_targets=soft_targets,
         extras=extras,
         upcast=any(op[0] == "cast" for op in ops) or linear_val.dtype == torch.float32,
         returned=returned,
@@ -578,7 +608,7 @@ def _rewrite(
             tiled_region_loss,
             (hidden, weight, bias, region.target, list(region.extras)),
             {
-                "head_spec": json.dumps(region.ops),
+                "head_spec": encode_head_spec(region.ops, region.class_weight, region.soft_targets),
                 "constants": tuple(region.constants),
                 "ignore_index": region.ignore_index,
                 "reduction": region.reduction,

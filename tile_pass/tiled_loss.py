@@ -26,7 +26,7 @@ import json
 
 import torch
 
-from tile_pass._tile_kernel import KernelKey, LossHead, onednn_gemms_apply, tile_kernel
+from tile_pass._tile_kernel import KernelKey, LossHead, encode_head_spec, onednn_gemms_apply, tile_kernel
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -97,12 +97,13 @@ def _run_tiles(
     masked prompt or padding runs only the GEMMs of its labelled tokens. Their per-token
     loss and hidden gradient are zero, as in eager.
     """
-    _check_labels(target, weight.shape[0], head.ignore_index)
+    if not head.soft_targets:
+        _check_labels(target, weight.shape[0], head.ignore_index)
     tiles = _Tiles(
         weight, bias, extras, head, tile_tokens, compile_tiles, need_hidden, need_weight, need_bias,
         keep_logits_after,
     )  # fmt: skip
-    rows = _labelled_rows(target, head.ignore_index, keep_logits_after)
+    rows = None if head.soft_targets else _labelled_rows(target, head.ignore_index, keep_logits_after)
     if rows is None:
         return _run_tile_loop(tiles, hidden, target, coef, token_losses_out, logits_out)
     losses = None if token_losses_out is None else token_losses_out.new_empty(rows.shape)
@@ -180,12 +181,15 @@ def _run_tile_loop(
         h_t, y_t, c_t = hidden[start:stop], target[start:stop], coef[start:stop]
         if rows < size:
             h_t = torch.cat([h_t, h_t.new_zeros(size - rows, hidden_size)])
-            y_t = torch.cat([y_t, y_t.new_full((size - rows,), head.ignore_index)])
+            padding = y_t.new_zeros((size - rows, vocab_size)) if head.soft_targets else (
+                y_t.new_full((size - rows,), head.ignore_index)
+            )  # fmt: skip
+            y_t = torch.cat([y_t, padding])
             c_t = torch.cat([c_t, c_t.new_zeros(size - rows)])
         losses, grad_h_t, logits_t = kernel(h_t, weight, bias, y_t, extras, c_t, weight_acc, bias_acc)
         if logits_t is not None:
             logits_out[start:stop] = logits_t[:rows]
-        total += losses.sum(dtype=acc)
+        total += losses[:rows].sum(dtype=acc)  # padding rows are not tokens (soft targets smooth them)
         if token_losses_out is not None:
             token_losses_out[start:stop] = losses[:rows]
         if grad_hidden is not None:
@@ -281,14 +285,9 @@ def _linear_ce_reduced(
     need_bias: bool,
     keep_logits_after: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing, tuple(constants))
+    head = LossHead.from_spec(head_spec, ignore_index, label_smoothing, tuple(constants))
     logits_out = _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after)
-    valid = target != ignore_index
-    count = valid.sum()
-    coef = valid.to(_acc_dtype(hidden))
-    if mean:
-        # 1 / (global valid count) on valid tokens, 0 elsewhere (also when count == 0)
-        coef = coef / count.clamp_min(1)
+    coef, count = _token_weights(head, target, extras, _acc_dtype(hidden), mean)
     total, *grads = _run_tiles(
         hidden, weight, bias, target, extras, coef, head, tile_tokens, compile_tiles,
         need_hidden, need_weight, need_bias, None, logits_out, keep_logits_after,
@@ -304,6 +303,31 @@ def _(hidden, weight, bias, target, extras, head_spec, constants, ignore_index, 
     loss = hidden.new_empty((), dtype=_loss_dtype(hidden, head_spec, extras))
     logits = _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after)
     return (loss, *_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias), logits)
+
+
+def _token_weights(
+    head: LossHead, target: torch.Tensor, extras: list[torch.Tensor], acc: torch.dtype, mean: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's weight in the loss, and the mean's denominator (as eager's ``mean``).
+
+    Class-index targets: valid tokens count 1, or their class weight ``w[y]`` with class
+    weights (the per-token losses already carry ``w[y]``, so the weight of a valid token is
+    ``1 / sum(w[y] over valid tokens)``); ignored tokens 0 (an all-ignored batch: NaN loss,
+    zero gradients). Probability targets have no ignored tokens: the mean is over ``N``.
+    """
+    if head.soft_targets:
+        count = torch.full((), target.shape[0], dtype=acc, device=target.device)
+        valid = torch.ones(target.shape[0], dtype=torch.bool, device=target.device)
+    else:
+        valid = target != head.ignore_index
+        if head.class_weight >= 0:
+            class_weights = extras[head.class_weight].to(acc)
+            count = (class_weights[target.clamp(0, class_weights.shape[0] - 1)] * valid).sum()
+        else:
+            count = valid.sum()
+    if not mean:
+        return valid.to(acc), count
+    return torch.where(valid, 1 / count.to(acc), 0), count
 
 
 def _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after: int) -> torch.Tensor:
@@ -353,7 +377,7 @@ def _linear_ce_tokens(
     tile_tokens: int,
     compile_tiles: bool,
 ) -> torch.Tensor:
-    head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing, tuple(constants))
+    head = LossHead.from_spec(head_spec, ignore_index, label_smoothing, tuple(constants))
     out = hidden.new_empty((hidden.shape[0],), dtype=_loss_dtype(hidden, head_spec, extras))
     coef = hidden.new_zeros((hidden.shape[0],), dtype=_acc_dtype(hidden))
     _run_tiles(
@@ -388,7 +412,7 @@ def _linear_ce_tokens_backward(
     need_weight: bool,
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    head = LossHead(LossHead.parse_ops(head_spec), ignore_index, label_smoothing, tuple(constants))
+    head = LossHead.from_spec(head_spec, ignore_index, label_smoothing, tuple(constants))
     _, *grads = _run_tiles(
         hidden, weight, bias, target, extras, grad_tokens.to(_acc_dtype(hidden)), head, tile_tokens,
         compile_tiles, need_hidden, need_weight, need_bias,
@@ -470,7 +494,8 @@ def tiled_region_loss(
     them; see :mod:`tile_pass._returned_logits`).
     """
     hidden = _flatten_tokens(hidden)
-    target = target.reshape(-1)
+    # class probabilities (the head spec says so too) are one [V] row per token
+    target = target.reshape(-1, weight.shape[0]) if target.is_floating_point() else target.reshape(-1)
     if target.dtype == torch.uint8:  # eager accepts Byte class indices; the tile's gather does not
         target = target.long()
     extras = [e.reshape(()) if e.numel() == 1 else e.reshape(-1) for e in extras]
@@ -500,13 +525,15 @@ def tiled_region_loss(
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    ignore_index: int = -100,
+    linear_bias: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
     reduction: str = "mean",
+    ignore_index: int | None = None,
     label_smoothing: float = 0.0,
     tile_tokens: int | None = None,
     tile_bytes: int | None = None,
@@ -515,76 +542,109 @@ def linear_cross_entropy(
     softcap: float | None = None,
     compile_tiles: bool = False,
 ) -> torch.Tensor:
-    """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ...)``, tiled.
+    """``F.cross_entropy(F.linear(input, linear_weight, linear_bias).float(), target, ...)``, tiled.
 
-    ``hidden`` is ``[..., H]`` and ``target`` holds one class index per token (``[...]``);
-    both are flattened to ``N`` tokens. The ``[N, V]`` logits never exist: they are made
-    one tile of ``tile_tokens`` tokens at a time (default: from the ``tile_bytes`` budget,
-    see :mod:`tile_pass._tiling`), in forward and backward. ``upcast=False`` computes the
-    loss in the logits' own dtype, like calling ``F.cross_entropy`` on half-precision
-    logits; float64 inputs are never downcast. ``logit_scale`` multiplies the logits and
-    ``softcap`` caps them (``softcap * tanh(logits / softcap)``, Gemma 2) before the upcast,
-    inside each tile. With ``reduction="none"`` the result has the target's shape, as with
-    ``F.cross_entropy`` (``()`` for one unbatched token).
-    ``compile_tiles=True`` compiles each tile's softmax/loss/gradient with Inductor (faster
-    steps, a one-off compile per tile shape).
+    A drop-in for torch's ``F.linear_cross_entropy``: the same arguments by the same names
+    and meanings (``weight`` is the class weights, ``linear_bias`` the projection's bias,
+    ``ignore_index=None`` means -100 for class indices), and the same results. ``input`` is
+    ``[..., H]`` (torch's takes 1-D or 2-D) and ``target`` holds one class index per token
+    (``[...]``) or class probabilities (``[..., V]``, floating). The ``[N, V]`` logits never
+    exist: they are made one tile of ``tile_tokens`` tokens at a time (default: from the
+    ``tile_bytes`` budget, see :mod:`tile_pass._tiling`), in forward and backward.
+
+    ``upcast=False`` computes the loss in the logits' own dtype, like ``F.cross_entropy`` on
+    half-precision logits; float64 is never downcast. ``logit_scale`` multiplies the logits
+    and ``softcap`` caps them (``softcap * tanh(logits / softcap)``, Gemma 2) before the
+    upcast, inside each tile. With ``reduction="none"`` the result has the target's token
+    shape (``()`` for one unbatched token). ``compile_tiles=True`` compiles each tile's
+    softmax/loss/gradient with Inductor (faster steps, a one-off compile per tile shape).
+    ``bias`` (positional) is the same as ``linear_bias``, kept for earlier callers.
 
     Works in eager code and inside ``torch.compile`` (no graph break, no host sync).
     """
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be int, not {type(ignore_index).__name__}")
+    hidden = input
+    if bias is not None and linear_bias is not None:
+        raise TypeError("pass the projection's bias once: as linear_bias= (torch's name) or positionally")
+    bias = linear_bias if linear_bias is not None else bias
+    if weight is not None and weight.dim() != 1:
+        raise TypeError(
+            f"weight= is the class weights, a 1-D [V] tensor, as in torch's F.linear_cross_entropy and "
+            f"F.cross_entropy; got shape {tuple(weight.shape)}. Pass the LM-head matrix [V, H] as the second "
+            "positional argument (linear_weight=)."
+        )
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
-    vocab_size, hidden_size = weight.shape
+    if linear_weight.dim() != 2:
+        raise ValueError(f"linear_weight must be 2-D [V, H], got shape {tuple(linear_weight.shape)}")
+    vocab_size, hidden_size = linear_weight.shape
     if hidden.dim() < 1 or hidden.shape[-1] != hidden_size:
         raise ValueError(
-            f"hidden's last dimension must equal weight.shape[1] = {hidden_size}, "
-            f"got hidden of shape {tuple(hidden.shape)}"
+            f"input's last dimension must equal linear_weight.shape[1] = {hidden_size}, "
+            f"got input of shape {tuple(hidden.shape)}"
         )
     if bias is not None and tuple(bias.shape) != (vocab_size,):
-        raise ValueError(f"bias must have shape ({vocab_size},), got {tuple(bias.shape)}")
-    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise TypeError(
-            f"target must hold integer class indices, got dtype {target.dtype}; "
-            "class-probability targets are not supported by the tiled loss"
+        raise ValueError(f"linear_bias must have shape ({vocab_size},), got {tuple(bias.shape)}")
+    if weight is not None and tuple(weight.shape) != (vocab_size,):
+        raise RuntimeError(
+            f"weight tensor should be defined either for all {vocab_size} classes or no classes"
         )
-    if target.dim() > 1 and tuple(target.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(
-            f"target must have shape hidden.shape[:-1] = {tuple(hidden.shape[:-1])} (one class index per "
-            f"token) or be 1-D, got {tuple(target.shape)}"
-        )
-    target_shape = target.shape
+    soft_targets = target.is_floating_point() and tuple(target.shape) == (*hidden.shape[:-1], vocab_size)
+    if soft_targets:
+        if ignore_index is not None:
+            raise RuntimeError("ignore_index cannot be specified when target contains probabilities")
+        ignore_index = -100
+    else:
+        ignore_index = -100 if ignore_index is None else ignore_index
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"ignore_index must be int, not {type(ignore_index).__name__}")
+        if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+            raise TypeError(
+                f"target must hold integer class indices, or class probabilities of shape "
+                f"input.shape[:-1] + (V,) = {(*hidden.shape[:-1], vocab_size)}; got dtype {target.dtype} "
+                f"and shape {tuple(target.shape)}"
+            )
+        if target.dim() > 1 and tuple(target.shape) != tuple(hidden.shape[:-1]):
+            raise ValueError(
+                f"target must have shape input.shape[:-1] = {tuple(hidden.shape[:-1])} (one class index per "
+                f"token) or be 1-D, got {tuple(target.shape)}"
+            )
+    target_shape = target.shape[:-1] if soft_targets else target.shape
     hidden = _flatten_tokens(hidden)
-    target = target.reshape(-1)
+    target = target.reshape(-1, vocab_size) if soft_targets else target.reshape(-1)
     if target.shape[0] != hidden.shape[0]:
         raise ValueError(
             f"Expected input batch_size ({hidden.shape[0]}) to match target batch_size ({target.shape[0]})"
         )
     dtype = _autocast_dtype(hidden.device.type)
     if dtype is not None:  # autocast's rule for F.linear
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        hidden, linear_weight = hidden.to(dtype), linear_weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-    if not (hidden.dtype == weight.dtype and (bias is None or bias.dtype == hidden.dtype)):
+    if not (hidden.dtype == linear_weight.dtype and (bias is None or bias.dtype == hidden.dtype)):
         raise TypeError(
-            "hidden, weight and bias must share one dtype, as F.linear requires; got "
-            f"{hidden.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}"
+            "input, linear_weight and linear_bias must share one dtype, as F.linear requires; got "
+            f"{hidden.dtype}, {linear_weight.dtype}, {None if bias is None else bias.dtype}"
         )
     upcast = bool(upcast) and hidden.dtype in (torch.float16, torch.bfloat16)
-    # the head spec (written without json, so Dynamo can trace this function) names the ops;
-    # their numbers travel as numbers
+    # the head's ops, by name; their numbers travel as numbers (see encode_head_spec)
     ops, constants = [], []
     if logit_scale is not None:
-        ops.append('["mul", 0]')
+        ops.append(("mul", 0))
         constants.append(float(logit_scale))
     if softcap is not None:
-        ops += [f'["div", {len(constants)}]', '["tanh"]', f'["mul", {len(constants)}]']
+        ops += [("div", len(constants)), ("tanh",), ("mul", len(constants))]
         constants.append(float(softcap))
     if upcast:
-        ops.append('["cast", "float32"]')
+        ops.append(("cast", "float32"))
+    loss_dtype = torch.float32 if upcast else hidden.dtype
+    if soft_targets and target.dtype != loss_dtype:
+        raise RuntimeError(
+            f"class-probability targets must have the loss's dtype {loss_dtype} (the logits' dtype "
+            f"after the upcast), got {target.dtype}"
+        )
+    extras = [] if weight is None else [weight.to(loss_dtype) if weight.dtype != loss_dtype else weight]
+    spec = encode_head_spec(ops, class_weight=0 if weight is not None else None, soft_targets=soft_targets)
     tile = choose_tile_tokens(
         vocab_size, hidden.dtype, upcast, tile_tokens=tile_tokens, tile_bytes=tile_bytes,
         device=hidden.device, fused=compile_tiles,
@@ -592,7 +652,7 @@ def linear_cross_entropy(
     if tile_tokens is None:
         tile = auto_tile(tile)
     loss = tiled_region_loss(
-        hidden, weight, bias, target, [], head_spec="[" + ", ".join(ops) + "]", constants=tuple(constants),
+        hidden, linear_weight, bias, target, extras, head_spec=spec, constants=tuple(constants),
         ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, tile_tokens=tile,
         compile_tiles=compile_tiles,
     )  # fmt: skip

@@ -1,0 +1,184 @@
+"""``tile_pass.linear_cross_entropy`` as a drop-in for torch's ``F.linear_cross_entropy``:
+the same argument names and meanings (``weight`` = class weights, ``linear_bias``,
+``ignore_index=None``), class-probability targets, and the pass matching class weights and
+probability targets in a graph, all exact against float64 eager."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import DEVICES, assert_close_to_oracle
+
+import tile_pass
+
+N, H, V = 23, 8, 13
+
+
+def inputs(device, seed=0, soft=False, pattern="uneven", tile=4):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) / H**0.5
+    bias = torch.randn(V, generator=g, dtype=torch.float64)
+    class_weights = torch.rand(V, generator=g, dtype=torch.float64) + 0.1
+    if soft:
+        target = torch.softmax(3 * torch.randn(N, V, generator=g, dtype=torch.float64), -1)
+    else:
+        target = torch.randint(0, V, (N,), generator=g)
+        if pattern == "uneven":  # tile k keeps k % 4 + 1 labels; the second tile is fully masked
+            for start in range(0, N, tile):
+                target[start + (start // tile) % 4 + 1 : start + tile] = -100
+            target[tile : 2 * tile] = -100
+        elif pattern == "all_ignored":
+            target[:] = -100
+    return [t.to(device) for t in (hidden, weight, bias, class_weights, target)]
+
+
+def grads_of(out, leaves):
+    return torch.autograd.grad(out.sum(), leaves)
+
+
+KWARG_GRID = [
+    dict(zip(("reduction", "label_smoothing", "class_weights", "bias", "soft"), values, strict=True))
+    for values in itertools.product(
+        ["mean", "sum", "none"], [0.0, 0.2], [False, True], [False, True], [False, True]
+    )
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", KWARG_GRID, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_same_arguments_same_results_as_torch(device, case):
+    hidden, weight, bias, class_weights, target = inputs(device, soft=case["soft"])
+    kwargs = dict(reduction=case["reduction"], label_smoothing=case["label_smoothing"])
+    if case["class_weights"]:
+        kwargs["weight"] = class_weights
+    if case["bias"]:
+        kwargs["linear_bias"] = bias.requires_grad_()
+    leaves = [hidden.requires_grad_(), weight.requires_grad_()] + ([bias] if case["bias"] else [])
+    expected = F.linear_cross_entropy(hidden, weight, target, **kwargs)
+    got = tile_pass.linear_cross_entropy(hidden, weight, target, tile_tokens=4, **kwargs)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    assert_close_to_oracle(got, expected, torch.float64, "loss")
+    for name, g, e in zip(
+        ("input", "linear_weight", "linear_bias"),
+        grads_of(got, leaves),
+        grads_of(expected, leaves),
+        strict=False,
+    ):
+        assert_close_to_oracle(g, e, torch.float64, f"grad {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pattern", ["uneven", "all_ignored"])
+@pytest.mark.parametrize("ignore_index", [None, -100, 5])
+def test_class_weights_with_masks_in_float32(device, pattern, ignore_index):
+    """Token weighting with class weights: the mean divides by the summed class weights of
+    the valid labels, across tiles with uneven counts and a fully masked tile; an all-ignored
+    batch is NaN with zero gradients, as eager."""
+    hidden, weight, _, class_weights, target = inputs(device, pattern=pattern)
+    if ignore_index == 5:
+        target = torch.where(target == -100, 5, torch.where(target == 5, 6, target))
+    oracle = [t.detach().clone().requires_grad_() for t in (hidden, weight)]
+    test = [t.detach().float().requires_grad_() for t in (hidden, weight)]
+    expected = F.cross_entropy(
+        F.linear(*oracle),
+        target,
+        weight=class_weights,
+        ignore_index=-100 if ignore_index is None else ignore_index,
+    )
+    got = tile_pass.linear_cross_entropy(
+        *test, target, weight=class_weights.float(), ignore_index=ignore_index, tile_tokens=4
+    )
+    assert_close_to_oracle(got, expected, torch.float32, "loss")
+    for g, e in zip(grads_of(got, test), grads_of(expected, oracle), strict=True):
+        assert_close_to_oracle(g, e, torch.float32, "grad")
+        if pattern == "all_ignored":
+            assert not g.any()
+
+
+def test_batched_probability_targets_and_none_shape():
+    hidden = torch.randn(2, 5, H, dtype=torch.float64)
+    weight = torch.randn(V, H, dtype=torch.float64)
+    target = torch.softmax(torch.randn(2, 5, V, dtype=torch.float64), -1)
+    got = tile_pass.linear_cross_entropy(hidden, weight, target, reduction="none", tile_tokens=3)
+    expected = F.cross_entropy(F.linear(hidden, weight).view(-1, V), target.view(-1, V), reduction="none")
+    assert got.shape == (2, 5)
+    torch.testing.assert_close(got.view(-1), expected)
+
+
+def test_argument_collisions_name_the_fix():
+    hidden, weight, bias, class_weights, target = inputs("cpu")
+    with pytest.raises(TypeError, match=r"weight= is the class weights.*linear_weight="):
+        tile_pass.linear_cross_entropy(hidden, weight, target, weight=weight)
+    with pytest.raises(TypeError, match="bias once"):
+        tile_pass.linear_cross_entropy(hidden, weight, target, bias, linear_bias=bias)
+    soft = inputs("cpu", soft=True)[-1]
+    with pytest.raises(
+        RuntimeError, match="ignore_index cannot be specified when target contains probabilities"
+    ):
+        tile_pass.linear_cross_entropy(hidden, weight, soft, ignore_index=-100)
+    with pytest.raises(RuntimeError, match="ignore_index cannot be specified"):
+        F.linear_cross_entropy(hidden, weight, soft, ignore_index=-100)  # the same as torch
+    with pytest.raises(RuntimeError, match="for all 13 classes"):
+        tile_pass.linear_cross_entropy(hidden, weight, target, weight=class_weights[:4])
+    # positional bias (earlier callers) is linear_bias
+    torch.testing.assert_close(
+        tile_pass.linear_cross_entropy(hidden, weight, target, bias),
+        F.linear_cross_entropy(hidden, weight, target, linear_bias=bias),
+    )
+
+
+def test_traced_with_class_weights_under_fullgraph():
+    hidden, weight, _, class_weights, target = inputs("cpu")
+
+    def loss(h, w, y, cw):
+        return tile_pass.linear_cross_entropy(h, w, y, weight=cw, tile_tokens=4)
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(
+        compiled(hidden, weight, target, class_weights),
+        F.cross_entropy(F.linear(hidden, weight), target, weight=class_weights),
+    )
+
+
+# --------------------------------------------------------------------------- the pass
+
+
+def head_class_weights(h, w, y, cw):
+    return F.cross_entropy(F.linear(h, w), y, weight=cw, label_smoothing=0.1)
+
+
+def head_nll_class_weights(h, w, y, cw):
+    return F.nll_loss(F.log_softmax(F.linear(h, w), dim=-1), y, weight=cw, reduction="sum")
+
+
+def head_probabilities(h, w, p):
+    return F.cross_entropy(F.linear(h, w).view(-1, V), p.view(-1, V))
+
+
+def head_probabilities_none(h, w, p):
+    return F.cross_entropy(F.linear(h, w), p, reduction="none", label_smoothing=0.1) * 2.0
+
+
+@pytest.mark.parametrize(
+    "head",
+    [head_class_weights, head_nll_class_weights, head_probabilities, head_probabilities_none],
+    ids=lambda f: f.__name__,
+)
+def test_pass_matches_class_weights_and_probability_targets(head):
+    hidden, weight, _, class_weights, target = inputs("cpu", soft="probabilities" in head.__name__)
+    extra = () if "probabilities" in head.__name__ else (class_weights.float(),)
+    oracle = [t.detach().clone().requires_grad_() for t in (hidden, weight)]
+    test = [t.detach().float().requires_grad_() for t in (hidden, weight)]
+    target_test = target.float() if target.is_floating_point() else target
+    backend = tile_pass.backend("aot_eager", tile_tokens=4)
+    got = torch.compile(head, backend=backend)(*test, target_test, *extra)
+    expected = head(*oracle, target, *(e.double() for e in extra))
+    (rewrite,) = backend.report().rewrites
+    assert ("class weights" in rewrite.form) != ("probabilities" in head.__name__), rewrite.form
+    assert_close_to_oracle(got, expected, torch.float32, "loss")
+    for g, e in zip(grads_of(got, test), grads_of(expected, oracle), strict=True):
+        assert_close_to_oracle(g, e, torch.float32, "grad")
