@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import DEVICES
 
-from tile_pass import _tiling
+from tile_pass import _tile_kernel, _tiling
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
 
 
@@ -16,9 +16,11 @@ def test_byte_model_counts_the_documented_buffers():
     assert tile_bytes_per_token(1000, torch.bfloat16, upcast=True) == 1000 * (2 + 4 + 4 + 4 + 2)
     assert tile_bytes_per_token(1000, torch.bfloat16, upcast=False) == 1000 * (2 + 4 + 4 + 2)
     # compiled tiles: the gradient is stored over the logits tile, one buffer in the model dtype
-    assert tile_bytes_per_token(1000, torch.float32, upcast=True, fused=True) == 1000 * 4
-    assert tile_bytes_per_token(1000, torch.bfloat16, upcast=True, fused=True) == 1000 * 2
-    assert choose_tile_tokens(1000, torch.bfloat16, True, tile_bytes=2000 * 64, fused=True) == 64
+    # (two before torch 2.13, whose Inductor miscompiles the in-place store)
+    buffers = 1 if _tile_kernel.STORE_GRAD_OVER_LOGITS else 2
+    assert tile_bytes_per_token(1000, torch.float32, upcast=True, fused=True) == 1000 * 4 * buffers
+    assert tile_bytes_per_token(1000, torch.bfloat16, upcast=True, fused=True) == 1000 * 2 * buffers
+    assert choose_tile_tokens(1000, torch.bfloat16, True, tile_bytes=2000 * 64 * buffers, fused=True) == 64
 
 
 def test_budget_gives_the_tile():

@@ -38,6 +38,13 @@ from tile_pass._logging import log
 
 aten = torch.ops.aten
 
+#: Whether compiled tiles store the logits gradient over the logits tile. Inductor before
+#: 2.13 miscompiles that in-place store on CPU: it schedules the target-logit gather after
+#: the store (wrong losses), or fails with ``KeyError: 'bufN'`` in outer-loop fusion. There
+#: the gradient gets its own buffer: exact, one more ``[tile, V]`` buffer per tile (the byte
+#: model in :mod:`tile_pass._tiling` counts it).
+STORE_GRAD_OVER_LOGITS = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
+
 
 def _apply_op(x: torch.Tensor, op: tuple, extras: list[torch.Tensor], constants: tuple[float, ...]):
     name, *arg = op
@@ -451,7 +458,7 @@ def _compile_middle(split: torch.fx.GraphModule, key: KernelKey, logits_name: st
     from torch._inductor.compile_fx import compile_fx
 
     middle, overwritten = split.submod_1, None
-    in_place = _store_grad_over_logits(split, logits_name)
+    in_place = _store_grad_over_logits(split, logits_name) if STORE_GRAD_OVER_LOGITS else None
     if in_place is not None:
         middle, overwritten = in_place
     else:

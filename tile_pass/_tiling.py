@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from tile_pass._tile_kernel import STORE_GRAD_OVER_LOGITS
+
 #: Default budget for the per-tile buffers on CPU. Cache-sized tiles do not help here: the
 #: step is GEMM-bound and a GEMM of a few hundred rows streams the whole ``[V, H]`` weight
 #: once per tile, so the budget trades memory against the number of weight passes. With the
@@ -54,10 +56,11 @@ def tile_bytes_per_token(
     vocab_size: int, logits_dtype: torch.dtype, upcast: bool, fused: bool = False
 ) -> int:
     """Bytes of ``[1, V]`` buffers one token of a tile keeps alive (see module docstring);
-    ``fused``: the tile's middle is compiled and writes the gradient over the logits."""
+    ``fused``: the tile's middle is compiled and writes the gradient over the logits (before
+    torch 2.13 the gradient gets a buffer of its own: see ``STORE_GRAD_OVER_LOGITS``)."""
     itemsize = torch.empty((), dtype=logits_dtype).element_size()
     if fused:
-        return vocab_size * itemsize
+        return vocab_size * itemsize * (1 if STORE_GRAD_OVER_LOGITS else 2)
     per_element = itemsize + 4 + 4  # logits, fp32 log-probs, fp32 gradient
     if itemsize != 4:
         per_element += itemsize  # gradient cast back to the model dtype

@@ -26,7 +26,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+try:  # torch >= 2.13
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch 2.11/2.12: the same unguarded hint, under its older name
+    from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
 from tile_pass._tile_kernel import encode_head_spec
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile
