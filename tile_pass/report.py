@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,9 @@ class Report:
 
     graphs: list[GraphReport] = field(default_factory=list)
     graph_breaks: list[str] = field(default_factory=list)  # Dynamo's reasons, while compiling
+    #: what an integration (tile_pass.integrations) found in the stack around the model, e.g.
+    #: TRL's own fused LM head; printed after the decisions
+    hints: list[str] = field(default_factory=list)
 
     @property
     def rewrites(self) -> list[Rewrite]:
@@ -109,6 +113,7 @@ class Report:
             "rewrites": [dataclasses.asdict(r) for r in self.rewrites],
             "skipped": [dataclasses.asdict(s) for s in self.skipped],
             "graph_breaks": list(self.graph_breaks),
+            "hints": list(self.hints),
         }
 
     def to_json(self) -> str:
@@ -123,12 +128,27 @@ class Report:
         lines += [str(s) for s in self.skipped]
         if not self.rewrites and not self.skipped:
             lines.append("no linear + cross_entropy candidate was found in the compiled graphs")
+            if not self.hints and "trl" in sys.modules:
+                lines.append(f"    hint: {_TRL_HINT}")
         for reason in self.graph_breaks:
             lines.append(f"graph break: {reason}")
             hint = _graph_break_hint(reason)
             if hint:
                 lines.append(f"    fix: {hint}")
+        lines += [f"hint: {hint}" for hint in self.hints]
         return "\n".join(lines)
+
+
+# TRL is imported and nothing was found: the likeliest cause is TRL's own head
+_TRL_HINT = (
+    "TRL is imported: TRL's trainers (SFTTrainer, GRPOTrainer, DPOTrainer, KTOTrainer, RLOOTrainer) "
+    "replace the model's forward with TRL's fused LM head (trl.trainer.utils.add_fused_lm_head), which "
+    "computes per-token log-probs in its own chunks, so no cross_entropy reaches tile_pass; and TRL's "
+    "selective_log_softmax (logsumexp + gather) is not a cross_entropy either. "
+    "tile_pass.integrations.trl.fused_lm_head_modules(trainer) tells whether the head was replaced, "
+    "tile_pass.integrations.trl.hand_head_to_tile_pass(trainer) gives an SFTTrainer's head back, and "
+    "tile_pass.integrations.transformers.report(trainer) names what it found"
+)
 
 
 def _graph_break_hint(reason: str) -> str:
