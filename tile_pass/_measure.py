@@ -104,6 +104,10 @@ class StepMeasurement(NamedTuple):
     peak_above: int  # peak bytes of the memory step above what was in use before it
     loss: torch.Tensor  # of the last step
     memory_step_s: float  # the memory step's own time, under the same allocator as a first call
+    #: peak bytes of one more step under glibc's own (steady-state) thresholds, above the
+    #: resident size before it: what a process that never pinned its allocator sees, which
+    #: depends on what the allocator kept from earlier steps (CPU only; CUDA: ``peak_above``)
+    peak_above_steady: int = 0
 
 
 def measure_steps(step, device: torch.device, repeats: int) -> StepMeasurement:
@@ -124,7 +128,10 @@ def measure_steps(step, device: torch.device, repeats: int) -> StepMeasurement:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return StepMeasurement(sorted(times), peak_above, loss, memory_step_s)
+    base = reset_peak_memory(device)
+    step()
+    peak_above_steady = peak_memory(device) - base
+    return StepMeasurement(sorted(times), peak_above, loss, memory_step_s, peak_above_steady)
 
 
 def training_step(fn, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
@@ -175,7 +182,7 @@ def run_step(config: StepConfig) -> dict:
     compile_and_first = time.perf_counter() - t0
     hidden.grad = None
     weight.grad = None
-    times, peak_above, loss, _ = measure_steps(step, device, config.repeats)
+    times, peak_above, loss, *_ = measure_steps(step, device, config.repeats)
     return {
         **asdict(config),
         "loss": float(loss),

@@ -15,11 +15,17 @@ from dataclasses import dataclass
 #: ``onednn`` routes the float32 ones to oneDNN, the default on x86-64, where it was measured.
 CPU_GEMM_ENV = "TILE_PASS_CPU_GEMM"
 _CPU_GEMMS = ("onednn", "aten")
+#: ``TILE_PASS_WEIGHT_GRAD_SUM=float32`` keeps the half-precision weight-gradient sum as one
+#: float32 tensor (6 bytes per weight at the end of the loop); ``split`` (the default for
+#: 16-bit weights) holds the same float32 sum in two 16-bit planes (4); see _weight_grad.
+WEIGHT_GRAD_SUM_ENV = "TILE_PASS_WEIGHT_GRAD_SUM"
+_WEIGHT_GRAD_SUMS = ("auto", "split", "float32")
 
 
 @dataclass(frozen=True)
 class Settings:
     cpu_gemm: str  # "onednn" or "aten"
+    weight_grad_sum: str = "auto"  # "auto", "split" or "float32"
 
 
 def _default_cpu_gemm() -> str:
@@ -33,7 +39,13 @@ def _read() -> Settings:
             f"{CPU_GEMM_ENV}={cpu_gemm!r}: expected 'onednn' (the default on x86-64) or 'aten'; "
             f"unset it or set it to one of those"
         )
-    return Settings(cpu_gemm=cpu_gemm)
+    weight_grad_sum = os.environ.get(WEIGHT_GRAD_SUM_ENV, "").strip().lower() or "auto"
+    if weight_grad_sum not in _WEIGHT_GRAD_SUMS:
+        raise ValueError(
+            f"{WEIGHT_GRAD_SUM_ENV}={weight_grad_sum!r}: expected one of {_WEIGHT_GRAD_SUMS}; "
+            "unset it or set it to one of those"
+        )
+    return Settings(cpu_gemm=cpu_gemm, weight_grad_sum=weight_grad_sum)
 
 
 _current = _read()

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
 
-from tile_pass import _settings
+from tile_pass import _settings, _weight_grad
 from tile_pass._logging import log
 
 aten = torch.ops.aten
@@ -187,6 +187,9 @@ class KernelKey:
     keep_logits_after: int = -1  # >= 0: also return the logits tile after that many ops
     compiled: bool = False  # compile the elementwise middle (softmax, loss, dlogits) with Inductor
     onednn: bool = False  # run the float32 logits and hidden-gradient GEMMs through oneDNN
+    # the weight-gradient sum as two 16-bit planes (see tile_pass._weight_grad) instead of one
+    # acc_dtype [V, H] tensor
+    split_weight_acc: bool = False
 
 
 def _inputs_of(key: KernelKey) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -199,7 +202,9 @@ def _inputs_of(key: KernelKey) -> list[tuple[str, tuple[int, ...], torch.dtype]]
     inputs.append(("target", (T, V) if key.head.soft_targets else (T,), key.target_dtype))
     inputs += [(f"extra_{i}", shape, dtype) for i, (shape, dtype) in enumerate(key.extras)]
     inputs.append(("coef", (T,), key.acc_dtype))
-    if key.need_weight:
+    if key.need_weight and key.split_weight_acc:
+        inputs += [("weight_acc_hi", (V, H), torch.int16), ("weight_acc_lo", (V, H), torch.int16)]
+    elif key.need_weight:
         inputs.append(("weight_acc", (V, H), key.acc_dtype))
     if key.need_bias:
         inputs.append(("bias_acc", (V,), key.acc_dtype))
@@ -221,8 +226,11 @@ class TileKernel:
         self._names = [name for name, _, _ in _inputs_of(key)]
 
     def __call__(self, hidden, weight, bias, target, extras, coef, weight_acc, bias_acc):
+        """``weight_acc`` is the ``(hi, lo)`` planes pair under the split schedule."""
         given = dict(hidden=hidden, weight=weight, bias=bias, target=target, coef=coef,
                      weight_acc=weight_acc, bias_acc=bias_acc)  # fmt: skip
+        if self.key.split_weight_acc and weight_acc is not None:
+            given["weight_acc_hi"], given["weight_acc_lo"] = weight_acc
         given.update((f"extra_{i}", e) for i, e in enumerate(extras))
         out = list(self.graph_module(*(given[name] for name in self._names)))
         losses = out.pop(0)
@@ -240,6 +248,7 @@ def _joint_function(key: KernelKey):
         target, coef = given["target"], given["coef"]
         extras = [given[f"extra_{i}"] for i in range(len(key.extras))]
         weight_acc, bias_acc = given.get("weight_acc"), given.get("bias_acc")
+        weight_planes = given.get("weight_acc_hi"), given.get("weight_acc_lo")
 
         wanted = []
         with torch.enable_grad():
@@ -257,7 +266,9 @@ def _joint_function(key: KernelKey):
             grads = torch.autograd.grad((losses * coef).sum(), wanted) if wanted else ()
         grads = list(grads)
         grad_hidden = grads.pop(0) if key.need_hidden else None
-        if key.need_weight:
+        if key.need_weight and key.split_weight_acc:
+            torch.ops.tile_pass.split_accumulate_(*weight_planes, grads.pop(0))
+        elif key.need_weight:
             weight_acc.add_(grads.pop(0))
         if key.need_bias:
             bias_acc.add_(grads.pop(0))
@@ -685,6 +696,92 @@ def _route_gemms_to_onednn(gm: torch.fx.GraphModule) -> int:
     return routed
 
 
+class _BlockedSplitAccumulate(torch.nn.Module):
+    """``sum += a @ b`` on the planes of a split float32 sum, the product one block of rows at
+    a time (see :func:`tile_pass._weight_grad.split_accumulate_mm_`)."""
+
+    _is_impure = True  # it mutates the planes and returns nothing: never dead code
+
+    def __init__(self, add=None):
+        super().__init__()
+        self.add = add
+
+    def forward(self, hi, lo, a, b):
+        _weight_grad.split_accumulate_mm_(hi, lo, a, b, self.add)
+
+
+def _compiled_split_add(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
+    """:func:`tile_pass._weight_grad.split_add_` compiled by Inductor, once per layout (one
+    fused pass over a block: read both planes and the product, write both planes)."""
+    layout = ("split",) + tuple((t.shape, t.stride(), t.dtype, t.device) for t in (hi, lo, x))
+    compiled = _compiled_adds.get(layout)
+    if compiled is None:
+        from torch._inductor.compile_fx import compile_fx
+
+        add = make_fx(_weight_grad.split_add_)(hi, lo, x)
+        with torch.no_grad():
+            compiled = _compiled_adds.put(layout, compile_fx(add, [hi, lo, x]))
+    return compiled
+
+
+class _SplitAddByBlockHeight:
+    """The compiled per-block add for each block height a ``[V, H]`` plane is cut into."""
+
+    def __init__(self, adds: dict[int, object]):
+        self.adds = adds
+
+    def __call__(self, hi, lo, x):
+        self.adds[hi.shape[0]](hi, lo, x)
+
+
+def _block_split_accumulation(gm: torch.fx.GraphModule, key: KernelKey) -> int:
+    """Turn ``split_accumulate_(hi, lo, mm(a, b))`` (modulo double transposes, the product used
+    nowhere else) into a blocked product, so the tile never holds a ``[V, H]`` temporary; in
+    compiled tiles each block is added by one Inductor kernel."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_module":
+            child = gm.get_submodule(node.target)
+            if isinstance(child, torch.fx.GraphModule):
+                rewritten += _block_split_accumulation(child, key)
+            continue
+        if node.target is not torch.ops.tile_pass.split_accumulate_.default:
+            continue
+        hi, lo, update = node.args
+        product = _strip_transpose_pairs(update)
+        chain = _chain_to(update, product)
+        if product.target is not aten.mm.default or any(len(n.users) != 1 for n in chain):
+            continue
+        add = None
+        if key.compiled:
+            V, H = key.vocab_size, key.hidden_size
+            step = max(
+                1,
+                _weight_grad.BLOCK_BYTES
+                // max(1, H * torch.empty((), dtype=key.weight_dtype).element_size()),
+            )
+            heights = {min(step, V), V % step if V > step else 0} - {0}
+            add = _SplitAddByBlockHeight({
+                h: _compiled_split_add(
+                    torch.empty((h, H), dtype=torch.int16, device=key.device),
+                    torch.empty((h, H), dtype=torch.int16, device=key.device),
+                    torch.empty((h, H), dtype=key.weight_dtype, device=key.device),
+                )
+                for h in heights
+            })  # fmt: skip
+        name = f"_split_accumulate_{rewritten}"
+        gm.add_submodule(name, _BlockedSplitAccumulate(add))
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_module(name, (hi, lo, *product.args))
+        call.meta = dict(node.meta)
+        gm.graph.erase_node(node)
+        for dead in chain:
+            gm.graph.erase_node(dead)
+        rewritten += 1
+    gm.recompile()
+    return rewritten
+
+
 def _trace(key: KernelKey) -> TileKernel:
     with FakeTensorMode(allow_non_fake_inputs=False):
         inputs = _example_inputs(key)
@@ -697,6 +794,8 @@ def _trace(key: KernelKey) -> TileKernel:
             _compile_middle(split, key, logits.name)
             gm = split
         _compile_upcast_accumulation(gm, key.device)
+    if key.split_weight_acc:
+        _block_split_accumulation(gm, key)
     if key.onednn:
         log.debug("tile %s: %d GEMMs on oneDNN", key, _route_gemms_to_onednn(gm))
     return TileKernel(key, gm)

@@ -33,6 +33,7 @@ try:  # torch >= 2.13
 except ImportError:  # torch 2.11/2.12: the same unguarded hint, under its older name
     from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
+from tile_pass import _weight_grad
 from tile_pass._tile_kernel import encode_head_spec
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile
 from tile_pass.report import GraphReport, Rewrite, Skip, source_line
@@ -739,12 +740,28 @@ def rewrite_graph(
                 returned_logits=handled,
                 returned_logits_bytes=_plain(kept),
                 compiled_tiles=compile_tiles,
+                weight_grad_sum=_weight_grad_sum(_val(region.weight)),
             )
         )
     if report.rewrites:
         gm.graph.lint()
         gm.recompile()
     return result
+
+
+def _weight_grad_sum(weight_val: torch.Tensor) -> str:
+    """How the tiles will sum the weight gradient, and what it holds (see _weight_grad)."""
+    if not weight_val.requires_grad:
+        return "none"
+    schedule = _weight_grad.schedule_for(
+        weight_val.dtype, torch.promote_types(torch.float32, weight_val.dtype)
+    )
+    held = _weight_grad.bytes_per_weight(schedule, weight_val.dtype)
+    what = "float32 sum in two 16-bit planes, rounded over the high one" if schedule == "split" else (
+        f"{'float64' if weight_val.dtype == torch.float64 else 'float32'} sum"
+        + ("" if held == 4 or weight_val.dtype == torch.float64 else ", rounded into a separate gradient")
+    )  # fmt: skip
+    return f"{what} ({held} bytes per weight at the end of the loop, the returned gradient included)"
 
 
 def _forward_bytes(itemsize: int, upcast: bool) -> int:

@@ -26,6 +26,7 @@ import json
 
 import torch
 
+from tile_pass import _weight_grad
 from tile_pass._tile_kernel import KernelKey, LossHead, encode_head_spec, onednn_gemms_apply, tile_kernel
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile
 
@@ -163,11 +164,15 @@ def _run_tile_loop(
         keep_logits_after=keep_logits_after,
         compiled=compile_tiles,
         onednn=onednn_gemms_apply(hidden.device),
+        split_weight_acc=need_weight and _weight_grad.schedule_for(weight.dtype, coef.dtype) == "split",
     )
     acc = coef.dtype
     total = hidden.new_zeros((), dtype=acc)
     grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
-    weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
+    if key.split_weight_acc:  # the float32 sum as two 16-bit planes (see _weight_grad)
+        weight_acc = _weight_grad.zeros(weight.shape, weight.device)
+    else:
+        weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
     bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
 
     full_tile = tile_kernel(key) if num_tokens else None
@@ -194,6 +199,8 @@ def _run_tile_loop(
             token_losses_out[start:stop] = losses[:rows]
         if grad_hidden is not None:
             grad_hidden[start:stop] = grad_h_t[:rows]
+    if key.split_weight_acc:  # rounded once into the weight dtype, over the high plane
+        weight_acc = _weight_grad.finish(*weight_acc, weight.dtype)
     return total, grad_hidden, weight_acc, bias_acc
 
 

@@ -1,0 +1,139 @@
+"""The half-precision weight-gradient sum held as two 16-bit planes: bit-for-bit the float32
+schedule's sum, 4 bytes per weight instead of 6, no ``[V, H]`` temporary in the tile."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import DEVICES, assert_no_worse_than_eager
+
+import tile_pass
+from tile_pass import _settings, _tile_kernel, _weight_grad
+
+
+@pytest.fixture
+def schedule(monkeypatch):
+    def use(name):
+        monkeypatch.setattr(
+            _settings, "_current", dataclasses.replace(_settings.current(), weight_grad_sum=name)
+        )
+
+    return use
+
+
+def special_values(shape, generator):
+    x = torch.randn(shape, generator=generator) * torch.logspace(-40, 30, shape[-1]).clamp(max=3e38)
+    x[0, :6] = torch.tensor([0.0, -0.0, 1e-42, -1e-42, float("inf"), float("nan")])
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_sum_is_the_float32_sum_bit_for_bit(device, dtype, monkeypatch):
+    monkeypatch.setattr(_weight_grad, "BLOCK_BYTES", 7 * 40 * 12)  # several blocks, a short last one
+    g = torch.Generator().manual_seed(0)
+    shape = (23, 40)
+    hi, lo = _weight_grad.zeros(shape, device)
+    reference = torch.zeros(shape, device=device)
+    for step in range(6):
+        x = (
+            special_values(shape, g).to(device, dtype)
+            if step == 2
+            else torch.randn(shape, generator=g).to(device, dtype)
+        )
+        torch.ops.tile_pass.split_accumulate_(hi, lo, x)
+        reference.add_(x)
+        torch.testing.assert_close(
+            _weight_grad._as_float32(hi, lo), reference, rtol=0, atol=0, equal_nan=True
+        )
+    a, b = (
+        torch.randn(23, 9, generator=g).to(device, dtype),
+        torch.randn(9, 40, generator=g).to(device, dtype),
+    )
+    _weight_grad.split_accumulate_mm_(hi, lo, a, b)
+    reference.add_(torch.mm(a, b))
+    result = _weight_grad.finish(hi, lo, dtype)
+    assert result.dtype == dtype and result.data_ptr() == hi.data_ptr()  # written over the high plane
+    torch.testing.assert_close(result, reference.to(dtype), rtol=0, atol=0, equal_nan=True)
+
+
+def run(dtype, device, compile_tiles, pattern, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n, h, v = 150, 32, 300
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) / h**0.5
+    bias = torch.randn(v, generator=g, dtype=torch.float64)
+    target = torch.randint(0, v, (n,), generator=g)
+    if pattern == "uneven_and_masked_tile":
+        target[32:64] = -100
+        target[64:80] = -100
+        target[::7] = -100
+    test = [t.to(device, dtype).requires_grad_() for t in (hidden, weight, bias)]
+    loss = tile_pass.linear_cross_entropy(
+        test[0], test[1], target.to(device), test[2], tile_tokens=32, compile_tiles=compile_tiles
+    )
+    return loss, torch.autograd.grad(loss * 3.0, test), (hidden, weight, bias, target)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("compile_tiles", [False, True])
+@pytest.mark.parametrize("pattern", ["all_valid", "uneven_and_masked_tile"])
+def test_split_schedule_equals_the_float32_schedule_and_eager(
+    device, dtype, compile_tiles, pattern, schedule
+):
+    schedule("float32")
+    loss32, grads32, _ = run(dtype, device, compile_tiles, pattern)
+    schedule("split")
+    loss, grads, (hidden, weight, bias, target) = run(dtype, device, compile_tiles, pattern)
+    assert loss.item() == loss32.item()
+    for g, g32 in zip(grads, grads32, strict=True):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g, g32, rtol=0, atol=0)  # the same sum, rounded the same way
+    # and within eager's own error against float64
+    oracle = [t.to(device).requires_grad_() for t in (hidden, weight, bias)]
+    eager_in = [t.to(device, dtype).requires_grad_() for t in (hidden, weight, bias)]
+
+    def eager(h, w, b):
+        return torch.nn.functional.cross_entropy(
+            torch.nn.functional.linear(h, w, b).float(), target.to(device)
+        )
+
+    ref_grads = torch.autograd.grad(eager(*oracle) * 3.0, oracle)
+    eager_grads = torch.autograd.grad(eager(*eager_in) * 3.0, eager_in)
+    for name, g, e, r in zip(("hidden", "weight", "bias"), grads, eager_grads, ref_grads, strict=True):
+        assert_no_worse_than_eager(g, e, r, f"grad {name}")
+
+
+def test_compiled_tile_has_no_weight_sized_temporary():
+    """The tile adds its weight gradient block by block into the planes: no [V, H] product."""
+    key = _tile_kernel.KernelKey(
+        head=_tile_kernel.LossHead((("cast", "float32"),), -100, 0.0),
+        tile=32, hidden_size=16, vocab_size=96, hidden_dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
+        bias_dtype=None, target_dtype=torch.int64, extras=(), device=torch.device("cpu"), need_hidden=True,
+        need_weight=True, need_bias=False, acc_dtype=torch.float32, split_weight_acc=True,
+    )  # fmt: skip
+    gm = _tile_kernel.tile_kernel(key).graph_module
+    blocked = [m for m in gm.modules() if isinstance(m, _tile_kernel._BlockedSplitAccumulate)]
+    assert len(blocked) == 1
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                val = node.meta.get("val")
+                allocates = node.op == "call_function" and node.target not in _tile_kernel._VIEWS
+                if isinstance(val, torch.Tensor) and allocates:
+                    assert tuple(val.shape) != (96, 16), node.format_node()
+
+
+def test_schedule_choice_and_its_bytes(schedule):
+    assert _weight_grad.schedule_for(torch.bfloat16) == "split"
+    assert _weight_grad.schedule_for(torch.float16) == "split"
+    assert _weight_grad.schedule_for(torch.float32) == "float32"
+    assert _weight_grad.schedule_for(torch.bfloat16, torch.float64) == "float32"
+    assert _weight_grad.bytes_per_weight("split", torch.bfloat16) == 4
+    assert _weight_grad.bytes_per_weight("float32", torch.bfloat16) == 6
+    assert _weight_grad.bytes_per_weight("float32", torch.float32) == 4
+    schedule("float32")
+    assert _weight_grad.schedule_for(torch.bfloat16) == "float32"

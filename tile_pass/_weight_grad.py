@@ -1,0 +1,114 @@
+"""The weight-gradient sum across tiles for half-precision weights, in 4 bytes per weight.
+
+Each tile adds its ``[V, H]`` weight-gradient contribution into a float32 sum, rounded once
+at the end into the model dtype, as one eager GEMM with float32 accumulation would round.
+Held as one float32 ``[V, H]`` tensor, that sum plus the returned half-precision gradient
+is 6 bytes per weight at the end of the loop: at Llama-3-8B's head, 3 GiB.
+
+The *split* schedule holds the same float32 sum as two 16-bit planes: ``hi``, the upper
+16 bits of each float32, and ``lo``, the lower 16. Every add reconstructs the float32 value
+exactly (``hi << 16 | lo``), adds the tile's contribution in float32 and splits the result
+again, so every partial sum is bit-for-bit the float32 schedule's. At the end the rounded
+result in the model dtype (bfloat16 or float16, 16 bits) is written over ``hi`` in place,
+element by element, and ``lo`` is freed: 4 bytes per weight at the peak, the returned
+gradient included, and 2 after.
+
+Nothing here is a gradient formula: the contributions come from the derived tile
+function; this only changes how their float32 sum is stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tile_pass import _settings
+
+#: Rows of a ``[V, H]`` plane handled at a time: bounds the int32/float32 temporaries of the
+#: eager implementation and the product block of :func:`split_accumulate_mm_`.
+BLOCK_BYTES = 32 * 1024 * 1024
+
+SCHEDULES = ("float32", "split")
+
+
+def schedule_for(weight_dtype: torch.dtype, acc_dtype: torch.dtype = torch.float32) -> str:
+    """``split`` for 16-bit weights summed in float32 (it holds 4 bytes per weight instead of 6
+    and moves as many bytes per add), ``float32`` otherwise (the sum is the gradient's own
+    dtype, or float64). ``TILE_PASS_WEIGHT_GRAD_SUM`` overrides it for 16-bit weights."""
+    if weight_dtype not in (torch.bfloat16, torch.float16) or acc_dtype != torch.float32:
+        return "float32"
+    chosen = _settings.current().weight_grad_sum
+    return "split" if chosen == "auto" else chosen
+
+
+def bytes_per_weight(schedule: str, weight_dtype: torch.dtype) -> int:
+    """Bytes per weight the weight-gradient sum and the returned gradient hold at the end of
+    the tile loop (what ``explain`` and the byte model report)."""
+    itemsize = torch.empty((), dtype=weight_dtype).element_size()
+    if schedule == "split":
+        return 4
+    return 4 + (itemsize if itemsize != 4 else 0)
+
+
+def _as_float32(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    bits = (hi.to(torch.int32) << 16) | (lo.to(torch.int32) & 0xFFFF)
+    return bits.view(torch.float32)
+
+
+def _store(hi: torch.Tensor, lo: torch.Tensor, value: torch.Tensor) -> None:
+    bits = value.view(torch.int32)
+    hi.copy_((bits >> 16).to(torch.int16))
+    lo.copy_(bits.to(torch.int16))  # the low 16 bits (int32 -> int16 keeps them)
+
+
+def split_add_(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor) -> None:
+    """``sum += x`` in float32 on the two planes of ``sum``, in place (any shape)."""
+    _store(hi, lo, _as_float32(hi, lo) + x.to(torch.float32))
+
+
+def _blocks(rows: int, row_bytes: int):
+    step = max(1, BLOCK_BYTES // max(1, row_bytes))
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows)
+
+
+@torch.library.custom_op("tile_pass::split_accumulate_", mutates_args=("hi", "lo"))
+def split_accumulate_(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor) -> None:
+    """``sum += x`` on the planes ``(hi, lo)`` of a float32 sum, in row blocks."""
+    for start, stop in _blocks(hi.shape[0], hi[0].numel() * 12 if hi.dim() else 12):
+        split_add_(hi[start:stop], lo[start:stop], x[start:stop])
+
+
+@split_accumulate_.register_fake
+def _(hi, lo, x):
+    return None
+
+
+def split_accumulate_mm_(
+    hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add=None
+) -> None:
+    """``sum += a @ b``, the product formed one block of rows at a time in the model dtype (as
+    the derived graph forms it), so no ``[V, H]`` temporary exists. ``add(hi, lo, block)`` is
+    the per-block add (a compiled :func:`split_add_` in compiled tiles)."""
+    add = add or split_add_
+    for start, stop in _blocks(hi.shape[0], b.shape[1] * max(a.element_size(), 1)):
+        add(hi[start:stop], lo[start:stop], torch.mm(a[start:stop], b))
+
+
+def zeros(shape, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 sum of zeros, as its two planes."""
+    return (
+        torch.zeros(shape, dtype=torch.int16, device=device),
+        torch.zeros(shape, dtype=torch.int16, device=device),
+    )
+
+
+def finish(hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float32 sum rounded once into ``dtype`` (16 bits), written over ``hi`` in place;
+    ``lo`` is dead afterwards. Each element is read from its own pair and written to its own
+    place, so the blocks can be converted in any order."""
+    if torch.empty((), dtype=dtype).element_size() != 2:
+        raise ValueError(f"the split sum rounds into a 16-bit dtype, not {dtype}")
+    for start, stop in _blocks(hi.shape[0], hi[0].numel() * 8 if hi.dim() else 8):
+        block = _as_float32(hi[start:stop], lo[start:stop]).to(dtype)
+        hi[start:stop].copy_(block.view(torch.int16))
+    return hi.view(dtype)
