@@ -45,6 +45,9 @@ class Rewrite:
     returned_logits: str = "not returned"
     returned_logits_bytes: int | str = 0
     compiled_tiles: bool = False  # each tile's softmax/loss/gradient compiled by Inductor
+    #: how the weight gradient is summed across tiles and the bytes it holds at the end of the
+    #: loop: "float32 sum (4 bytes per weight)", "split float32 sum (...)", or "none"
+    weight_grad_sum: str = "none"
 
     def __str__(self) -> str:
         return (
@@ -54,7 +57,8 @@ class Rewrite:
             f"    N={self.num_tokens} H={self.hidden_size} V={self.vocab_size} {self.dtype}, "
             f"reduction={self.reduction}, tile={self.tile_tokens} tokens x {self.num_tiles} tiles"
             f" ({'compiled' if self.compiled_tiles else 'eager'} tiles)\n"
-            f"    logits avoided: {_fmt_bytes(self.forward_bytes_avoided)} in forward, "
+            + (f"    weight gradient: {self.weight_grad_sum}\n" if self.weight_grad_sum != "none" else "")
+            + f"    logits avoided: {_fmt_bytes(self.forward_bytes_avoided)} in forward, "
             f"{_fmt_bytes(self.backward_bytes_avoided)} in backward"
             + (
                 ""
