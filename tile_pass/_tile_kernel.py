@@ -487,7 +487,7 @@ def _compile_middle(split: torch.fx.GraphModule, key: KernelKey, logits_name: st
 
 
 #: Rows of the half-precision weight-gradient product formed at a time (see below).
-UPCAST_BLOCK_BYTES = 32 * 1024 * 1024
+UPCAST_BLOCK_BYTES = 8 * 1024 * 1024
 
 
 class _BlockedUpcastAccumulate(torch.nn.Module):

@@ -25,7 +25,7 @@ from tile_pass import _settings
 
 #: Rows of a ``[V, H]`` plane handled at a time: bounds the int32/float32 temporaries of the
 #: eager implementation and the product block of :func:`split_accumulate_mm_`.
-BLOCK_BYTES = 32 * 1024 * 1024
+BLOCK_BYTES = 8 * 1024 * 1024
 
 SCHEDULES = ("float32", "split")
 
