@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 version="${1:-2.11.0}"
 venv="${VENV:-/tmp/venv-torch-$version}"
 [ -x "$venv/bin/python" ] || python -m venv "$venv"
-"$venv/bin/pip" install --quiet "torch==$version" pytest hypothesis "transformers==5.17.*" sympy numpy setuptools
+"$venv/bin/pip" install --quiet "torch==$version" pytest hypothesis "transformers==5.17.*" sympy numpy "setuptools>=77,<82"
 "$venv/bin/pip" install --quiet --no-deps --no-build-isolation -e .
 "$venv/bin/python" -c "import torch, tile_pass; print('torch', torch.__version__, '| tile_pass', tile_pass.__file__)"
 shift $(( $# > 0 ? 1 : 0 ))
