@@ -4,6 +4,7 @@ schedule's sum, 4 bytes per weight instead of 6, no ``[V, H]`` temporary in the 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -113,7 +114,7 @@ def test_compiled_tile_has_no_weight_sized_temporary():
         head=_tile_kernel.LossHead((("cast", "float32"),), -100, 0.0),
         tile=32, hidden_size=16, vocab_size=96, hidden_dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
         bias_dtype=None, target_dtype=torch.int64, extras=(), device=torch.device("cpu"), need_hidden=True,
-        need_weight=True, need_bias=False, acc_dtype=torch.float32, split_weight_acc=True,
+        need_weight=True, need_bias=False, acc_dtype=torch.float32, weight_grad="split",
     )  # fmt: skip
     gm = _tile_kernel.tile_kernel(key).graph_module
     blocked = [m for m in gm.modules() if isinstance(m, _tile_kernel._BlockedSplitAccumulate)]
@@ -137,3 +138,71 @@ def test_schedule_choice_and_its_bytes(schedule):
     assert _weight_grad.bytes_per_weight("float32", torch.float32) == 4
     schedule("float32")
     assert _weight_grad.schedule_for(torch.bfloat16) == "float32"
+
+
+def test_plan_runs_small_half_precision_batches_as_one_tile():
+    """One tile needs no sum across tiles (direct); batches that fit the budget run so when that
+    holds fewer bytes than the low plane plus the smaller tiles."""
+    per_token = 32000 * 2  # compiled bf16 tiles at V=32000
+    shape = (32000, 1024)
+    assert _weight_grad.plan(100, 128, None, shape, torch.bfloat16, torch.float32, per_token) == (
+        128,
+        "direct",
+    )
+    # N=1024: 256-token tiles + a 62.5 MiB low plane hold more than one 1024-token tile
+    assert _weight_grad.plan(1024, 256, 2048, shape, torch.bfloat16, torch.float32, per_token) == (
+        1024,
+        "direct",
+    )
+    # N=2048: the whole batch is 125 MiB, the split schedule 62.5 + 15.6
+    assert _weight_grad.plan(2048, 256, 2048, shape, torch.bfloat16, torch.float32, per_token) == (
+        256,
+        "split",
+    )
+    # explicit tiles, larger than the budget, float32 weights: no single-tile switch
+    assert _weight_grad.plan(1024, 256, None, shape, torch.bfloat16, torch.float32, per_token) == (
+        256,
+        "split",
+    )
+    assert _weight_grad.plan(4096, 256, 4096, shape, torch.bfloat16, torch.float32, per_token) == (
+        256,
+        "split",
+    )
+    assert _weight_grad.plan(1024, 256, 2048, shape, torch.float32, torch.float32, per_token) == (
+        256,
+        "float32",
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_direct_schedule_is_within_eagers_error(device, monkeypatch):
+    """A small batch runs as one tile whose own GEMM rounds the weight gradient once."""
+    keys = []
+    real = _tile_kernel.tile_kernel
+    tiled_loss_module = importlib.import_module("tile_pass.tiled_loss")  # the module, not the decorator
+    monkeypatch.setattr(tiled_loss_module, "tile_kernel", lambda key: keys.append(key) or real(key))
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 150, 32, 300
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) / h**0.5
+    target = torch.randint(0, v, (n,), generator=g)
+    target[::7] = -100
+    oracle = [t.to(device).requires_grad_() for t in (hidden, weight)]
+    eager_in = [t.to(device, torch.bfloat16).requires_grad_() for t in (hidden, weight)]
+    test = [t.to(device, torch.bfloat16).requires_grad_() for t in (hidden, weight)]
+    target = target.to(device)
+    loss = tile_pass.linear_cross_entropy(*test, target)  # automatic tiles: one tile
+    assert {k.weight_grad for k in keys} == {"direct"} and len(keys) == 1
+
+    def eager(h, w):
+        return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), target)
+
+    grads = torch.autograd.grad(loss, test)
+    for g_, e, r in zip(
+        grads,
+        torch.autograd.grad(eager(*eager_in), eager_in),
+        torch.autograd.grad(eager(*oracle), oracle),
+        strict=True,
+    ):
+        assert g_.dtype == torch.bfloat16
+        assert_no_worse_than_eager(g_, e, r, "grad")

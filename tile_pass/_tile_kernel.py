@@ -187,9 +187,10 @@ class KernelKey:
     keep_logits_after: int = -1  # >= 0: also return the logits tile after that many ops
     compiled: bool = False  # compile the elementwise middle (softmax, loss, dlogits) with Inductor
     onednn: bool = False  # run the float32 logits and hidden-gradient GEMMs through oneDNN
-    # the weight-gradient sum as two 16-bit planes (see tile_pass._weight_grad) instead of one
-    # acc_dtype [V, H] tensor
-    split_weight_acc: bool = False
+    # how the weight gradient leaves the tile (with need_weight): "sum", added into an acc_dtype
+    # [V, H] sum; "split", added into the two 16-bit planes of a float32 sum (tile_pass.
+    # _weight_grad); "direct", returned in the weight dtype (the only tile of the batch)
+    weight_grad: str = "sum"
 
 
 def _inputs_of(key: KernelKey) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -202,9 +203,9 @@ def _inputs_of(key: KernelKey) -> list[tuple[str, tuple[int, ...], torch.dtype]]
     inputs.append(("target", (T, V) if key.head.soft_targets else (T,), key.target_dtype))
     inputs += [(f"extra_{i}", shape, dtype) for i, (shape, dtype) in enumerate(key.extras)]
     inputs.append(("coef", (T,), key.acc_dtype))
-    if key.need_weight and key.split_weight_acc:
+    if key.need_weight and key.weight_grad == "split":
         inputs += [("weight_acc_hi", (V, H), torch.int16), ("weight_acc_lo", (V, H), torch.int16)]
-    elif key.need_weight:
+    elif key.need_weight and key.weight_grad == "sum":
         inputs.append(("weight_acc", (V, H), key.acc_dtype))
     if key.need_bias:
         inputs.append(("bias_acc", (V,), key.acc_dtype))
@@ -212,12 +213,13 @@ def _inputs_of(key: KernelKey) -> list[tuple[str, tuple[int, ...], torch.dtype]]
 
 
 class TileKernel:
-    """A traced tile function: ``(h, W, b, y, coef, dW_acc, db_acc) -> (losses, dh, logits)``.
+    """A traced tile function: ``(h, W, b, y, coef, dW_acc, db_acc) -> (losses, dh, logits, dW)``.
 
     ``losses`` are the per-token losses of the tile; ``dh`` is ``d sum(coef * losses) / dh``
     (or ``None``); the weight and bias gradients are added into ``dW_acc`` / ``db_acc``;
     ``logits`` is the tile's logits after ``keep_logits_after`` ops (or ``None``), for a
-    graph that also returns them.
+    graph that also returns them; ``dW`` is the weight gradient itself under the ``direct``
+    schedule (else ``None``).
     """
 
     def __init__(self, key: KernelKey, graph_module: torch.fx.GraphModule):
@@ -226,17 +228,19 @@ class TileKernel:
         self._names = [name for name, _, _ in _inputs_of(key)]
 
     def __call__(self, hidden, weight, bias, target, extras, coef, weight_acc, bias_acc):
-        """``weight_acc`` is the ``(hi, lo)`` planes pair under the split schedule."""
+        """``weight_acc`` is the ``(hi, lo)`` planes pair under the split schedule, ``None`` under
+        the direct one."""
         given = dict(hidden=hidden, weight=weight, bias=bias, target=target, coef=coef,
                      weight_acc=weight_acc, bias_acc=bias_acc)  # fmt: skip
-        if self.key.split_weight_acc and weight_acc is not None:
+        if self.key.weight_grad == "split" and weight_acc is not None:
             given["weight_acc_hi"], given["weight_acc_lo"] = weight_acc
         given.update((f"extra_{i}", e) for i, e in enumerate(extras))
         out = list(self.graph_module(*(given[name] for name in self._names)))
         losses = out.pop(0)
         grad_hidden = out.pop(0) if self.key.need_hidden else None
         kept = out.pop(0) if self.key.keep_logits_after >= 0 else None
-        return losses, grad_hidden, kept
+        grad_weight = out.pop(0) if self.key.need_weight and self.key.weight_grad == "direct" else None
+        return losses, grad_hidden, kept, grad_weight
 
 
 def _joint_function(key: KernelKey):
@@ -266,10 +270,11 @@ def _joint_function(key: KernelKey):
             grads = torch.autograd.grad((losses * coef).sum(), wanted) if wanted else ()
         grads = list(grads)
         grad_hidden = grads.pop(0) if key.need_hidden else None
-        if key.need_weight and key.split_weight_acc:
-            torch.ops.tile_pass.split_accumulate_(*weight_planes, grads.pop(0))
-        elif key.need_weight:
-            weight_acc.add_(grads.pop(0))
+        grad_weight = grads.pop(0) if key.need_weight else None
+        if key.need_weight and key.weight_grad == "split":
+            torch.ops.tile_pass.split_accumulate_(*weight_planes, grad_weight)
+        elif key.need_weight and key.weight_grad == "sum":
+            weight_acc.add_(grad_weight)
         if key.need_bias:
             bias_acc.add_(grads.pop(0))
         outputs = [losses.detach()]
@@ -277,6 +282,8 @@ def _joint_function(key: KernelKey):
             outputs.append(grad_hidden)
         if kept is not None:
             outputs.append(kept.detach())
+        if key.need_weight and key.weight_grad == "direct":
+            outputs.append(grad_weight)
         return tuple(outputs)
 
     return joint
@@ -794,7 +801,7 @@ def _trace(key: KernelKey) -> TileKernel:
             _compile_middle(split, key, logits.name)
             gm = split
         _compile_upcast_accumulation(gm, key.device)
-    if key.split_weight_acc:
+    if key.weight_grad == "split":
         _block_split_accumulation(gm, key)
     if key.onednn:
         log.debug("tile %s: %d GEMMs on oneDNN", key, _route_gemms_to_onednn(gm))

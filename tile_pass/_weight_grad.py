@@ -27,7 +27,7 @@ from tile_pass import _settings
 #: eager implementation and the product block of :func:`split_accumulate_mm_`.
 BLOCK_BYTES = 8 * 1024 * 1024
 
-SCHEDULES = ("float32", "split")
+SCHEDULES = ("float32", "split", "direct")
 
 
 def schedule_for(weight_dtype: torch.dtype, acc_dtype: torch.dtype = torch.float32) -> str:
@@ -44,9 +44,45 @@ def bytes_per_weight(schedule: str, weight_dtype: torch.dtype) -> int:
     """Bytes per weight the weight-gradient sum and the returned gradient hold at the end of
     the tile loop (what ``explain`` and the byte model report)."""
     itemsize = torch.empty((), dtype=weight_dtype).element_size()
+    if schedule == "direct":  # the only tile's gradient is the returned one
+        return itemsize
     if schedule == "split":
         return 4
-    return 4 + (itemsize if itemsize != 4 else 0)
+    acc = max(4, itemsize)
+    return acc + (itemsize if itemsize != acc else 0)
+
+
+def plan(
+    num_tokens: int,
+    tile: int,
+    largest_tile: int | None,
+    weight_shape: tuple[int, int],
+    weight_dtype: torch.dtype,
+    acc_dtype: torch.dtype,
+    tile_bytes_per_token: int,
+) -> tuple[int, str]:
+    """The tile and the weight-gradient schedule for a batch of ``num_tokens``.
+
+    A batch that runs as one tile needs no sum across tiles: the tile's own GEMM forms the
+    weight gradient with float32 accumulation and rounds it once, as eager does (``direct``).
+    With automatic tiles (``largest_tile`` given) a half-precision batch that fits the budget
+    also runs as one tile when that holds fewer bytes than the split sum's low plane plus the
+    smaller tiles: ``P * per_token < 2 * V * H + tile * per_token`` (``P``: the batch padded to
+    a power of two). That is the small batches, where the logits are small next to the head.
+    """
+    schedule = schedule_for(weight_dtype, acc_dtype)
+    if num_tokens <= tile:
+        return tile, "direct"
+    if schedule != "split" or largest_tile is None or num_tokens > largest_tile:
+        return tile, schedule
+    padded = 16
+    while padded < num_tokens:
+        padded *= 2
+    padded = min(padded, largest_tile)
+    low_plane = 2 * weight_shape[0] * weight_shape[1]
+    if padded * tile_bytes_per_token < low_plane + tile * tile_bytes_per_token:
+        return padded, "direct"
+    return tile, schedule
 
 
 def _as_float32(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:

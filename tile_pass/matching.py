@@ -35,7 +35,7 @@ except ImportError:  # torch 2.11/2.12: the same unguarded hint, under its older
 
 from tile_pass import _weight_grad
 from tile_pass._tile_kernel import encode_head_spec
-from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile
+from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
 from tile_pass.report import GraphReport, Rewrite, Skip, source_line
 from tile_pass.tiled_loss import tiled_region_loss
 
@@ -711,7 +711,18 @@ def rewrite_graph(
         if tile_tokens is None:
             tile = auto_tile(tile)
         num_tokens = region.num_tokens
-        tile_now = effective_tile(optimization_hint(num_tokens, fallback=8192), tile)
+        tokens_hint = optimization_hint(num_tokens, fallback=8192)
+        tile_now = effective_tile(tokens_hint, tile)
+        # the weight the op differentiates is the projection's input, in the logits' dtype
+        schedule = None
+        if _val(region.weight).requires_grad:
+            vocab_hint = optimization_hint(vocab_size, fallback=32768)
+            hidden_hint = optimization_hint(hidden_size, fallback=4096)
+            tile_now, schedule = _weight_grad.plan(
+                tokens_hint, tile_now, -tile if tile < 0 else None, (vocab_hint, hidden_hint),
+                dtype, torch.promote_types(torch.float32, dtype),
+                tile_bytes_per_token(vocab_hint, dtype, region.upcast, compile_tiles),
+            )  # fmt: skip
         itemsize = torch.empty((), dtype=dtype).element_size()
         returned_val = _val(region.returned) if region.returned is not None else None
         handled = _rewrite(gm.graph, region, tile, drop_logits, run_compiled_tiles, result)
@@ -740,7 +751,7 @@ def rewrite_graph(
                 returned_logits=handled,
                 returned_logits_bytes=_plain(kept),
                 compiled_tiles=compile_tiles,
-                weight_grad_sum=_weight_grad_sum(_val(region.weight)),
+                weight_grad_sum=_weight_grad_sum(schedule, dtype),
             )
         )
     if report.rewrites:
@@ -749,18 +760,23 @@ def rewrite_graph(
     return result
 
 
-def _weight_grad_sum(weight_val: torch.Tensor) -> str:
-    """How the tiles will sum the weight gradient, and what it holds (see _weight_grad)."""
-    if not weight_val.requires_grad:
+_SCHEDULE_TEXT = {
+    "direct": "formed by the only tile's GEMM, no sum across tiles",
+    "split": "float32 sum in two 16-bit planes, rounded over the high one",
+    "float32": "float32 sum",
+}
+
+
+def _weight_grad_sum(schedule: str | None, dtype: torch.dtype) -> str:
+    """How the tiles will form the weight gradient, and what it holds (see _weight_grad)."""
+    if schedule is None:
         return "none"
-    schedule = _weight_grad.schedule_for(
-        weight_val.dtype, torch.promote_types(torch.float32, weight_val.dtype)
-    )
-    held = _weight_grad.bytes_per_weight(schedule, weight_val.dtype)
-    what = "float32 sum in two 16-bit planes, rounded over the high one" if schedule == "split" else (
-        f"{'float64' if weight_val.dtype == torch.float64 else 'float32'} sum"
-        + ("" if held == 4 or weight_val.dtype == torch.float64 else ", rounded into a separate gradient")
-    )  # fmt: skip
+    what = _SCHEDULE_TEXT[schedule]
+    if schedule == "float32" and dtype == torch.float64:
+        what = "float64 sum"
+    elif schedule == "float32" and dtype != torch.float32:
+        what += ", rounded into a separate gradient"
+    held = _weight_grad.bytes_per_weight(schedule, dtype)
     return f"{what} ({held} bytes per weight at the end of the loop, the returned gradient included)"
 
 

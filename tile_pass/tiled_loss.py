@@ -28,7 +28,7 @@ import torch
 
 from tile_pass import _weight_grad
 from tile_pass._tile_kernel import KernelKey, LossHead, encode_head_spec, onednn_gemms_apply, tile_kernel
-from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile
+from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -146,6 +146,13 @@ def _run_tile_loop(
     num_tokens, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     tile = effective_tile(num_tokens, tile_tokens)
+    schedule = "float32"
+    if need_weight:
+        upcast = any(op[0] == "cast" for op in head.ops)
+        tile, schedule = _weight_grad.plan(
+            num_tokens, tile, -tile_tokens if tile_tokens < 0 else None, tuple(weight.shape), weight.dtype,
+            coef.dtype, tile_bytes_per_token(vocab_size, weight.dtype, upcast, compile_tiles),
+        )  # fmt: skip
     key = KernelKey(
         head=head,
         tile=tile,
@@ -164,13 +171,15 @@ def _run_tile_loop(
         keep_logits_after=keep_logits_after,
         compiled=compile_tiles,
         onednn=onednn_gemms_apply(hidden.device),
-        split_weight_acc=need_weight and _weight_grad.schedule_for(weight.dtype, coef.dtype) == "split",
+        weight_grad="sum" if schedule == "float32" else schedule,
     )
     acc = coef.dtype
     total = hidden.new_zeros((), dtype=acc)
     grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
-    if key.split_weight_acc:  # the float32 sum as two 16-bit planes (see _weight_grad)
+    if schedule == "split":  # the float32 sum as two 16-bit planes (see _weight_grad)
         weight_acc = _weight_grad.zeros(weight.shape, weight.device)
+    elif schedule == "direct":  # the only tile returns it
+        weight_acc = weight.new_zeros(weight.shape) if need_weight and not num_tokens else None
     else:
         weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
     bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
@@ -191,7 +200,11 @@ def _run_tile_loop(
             )  # fmt: skip
             y_t = torch.cat([y_t, padding])
             c_t = torch.cat([c_t, c_t.new_zeros(size - rows)])
-        losses, grad_h_t, logits_t = kernel(h_t, weight, bias, y_t, extras, c_t, weight_acc, bias_acc)
+        losses, grad_h_t, logits_t, grad_w_t = kernel(
+            h_t, weight, bias, y_t, extras, c_t, weight_acc, bias_acc
+        )
+        if grad_w_t is not None:
+            weight_acc = grad_w_t
         if logits_t is not None:
             logits_out[start:stop] = logits_t[:rows]
         total += losses[:rows].sum(dtype=acc)  # padding rows are not tokens (soft targets smooth them)
@@ -199,7 +212,7 @@ def _run_tile_loop(
             token_losses_out[start:stop] = losses[:rows]
         if grad_hidden is not None:
             grad_hidden[start:stop] = grad_h_t[:rows]
-    if key.split_weight_acc:  # rounded once into the weight dtype, over the high plane
+    if schedule == "split":  # rounded once into the weight dtype, over the high plane
         weight_acc = _weight_grad.finish(*weight_acc, weight.dtype)
     return total, grad_hidden, weight_acc, bias_acc
 
