@@ -140,38 +140,23 @@ def test_schedule_choice_and_its_bytes(schedule):
     assert _weight_grad.schedule_for(torch.bfloat16) == "float32"
 
 
-def test_plan_runs_small_half_precision_batches_as_one_tile():
-    """One tile needs no sum across tiles (direct); batches that fit the budget run so when that
-    holds fewer bytes than the low plane plus the smaller tiles."""
-    per_token = 32000 * 2  # compiled bf16 tiles at V=32000
-    shape = (32000, 1024)
-    assert _weight_grad.plan(100, 128, None, shape, torch.bfloat16, torch.float32, per_token) == (
-        128,
-        "direct",
-    )
-    # N=1024: 256-token tiles + a 62.5 MiB low plane hold more than one 1024-token tile
-    assert _weight_grad.plan(1024, 256, 2048, shape, torch.bfloat16, torch.float32, per_token) == (
-        1024,
-        "direct",
-    )
-    # N=2048: the whole batch is 125 MiB, the split schedule 62.5 + 15.6
-    assert _weight_grad.plan(2048, 256, 2048, shape, torch.bfloat16, torch.float32, per_token) == (
-        256,
-        "split",
-    )
-    # explicit tiles, larger than the budget, float32 weights: no single-tile switch
-    assert _weight_grad.plan(1024, 256, None, shape, torch.bfloat16, torch.float32, per_token) == (
-        256,
-        "split",
-    )
-    assert _weight_grad.plan(4096, 256, 4096, shape, torch.bfloat16, torch.float32, per_token) == (
-        256,
-        "split",
-    )
-    assert _weight_grad.plan(1024, 256, 2048, shape, torch.float32, torch.float32, per_token) == (
-        256,
-        "float32",
-    )
+PER_TOKEN, SHAPE = 32000 * 2, (32000, 1024)  # compiled bf16 tiles at V=32000, H=1024
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "tile", "largest", "dtype", "expected"),
+    [
+        (100, 128, None, torch.bfloat16, (128, "direct")),  # one tile: no sum across tiles
+        # N=1024: 256-token tiles + a 62.5 MiB low plane hold more than one 1024-token tile
+        (1024, 256, 2048, torch.bfloat16, (1024, "direct")),
+        (2048, 256, 2048, torch.bfloat16, (256, "split")),  # the whole batch 125 MiB, split 62.5 + 15.6
+        (1024, 256, None, torch.bfloat16, (256, "split")),  # explicit tiles are kept
+        (4096, 256, 4096, torch.bfloat16, (256, "split")),
+        (1024, 256, 2048, torch.float32, (256, "float32")),  # float32 weights: the sum is the gradient
+    ],
+)
+def test_plan_runs_small_half_precision_batches_as_one_tile(num_tokens, tile, largest, dtype, expected):
+    assert _weight_grad.plan(num_tokens, tile, largest, SHAPE, dtype, torch.float32, PER_TOKEN) == expected
 
 
 @pytest.mark.parametrize("device", DEVICES)

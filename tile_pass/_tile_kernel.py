@@ -569,7 +569,26 @@ TILE_KERNEL_CACHE_SIZE = 128
 _compiled_adds = _BoundedCache(64)
 
 
-def _compile_upcast_accumulation(gm: torch.fx.GraphModule, device: torch.device) -> int:
+def _graph_nodes(root: torch.fx.GraphModule):
+    """Every ``(graph module, node)`` of ``root`` and of the graph modules nested in it (the
+    parts of a split tile), listed up front so that a pass may add and erase nodes."""
+    for module in [m for m in root.modules() if isinstance(m, torch.fx.GraphModule)]:
+        for node in list(module.graph.nodes):
+            yield module, node
+
+
+def _recompile_all(root: torch.fx.GraphModule) -> None:
+    for module in root.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            module.recompile()
+
+
+def _block_heights(rows: int, block_rows: int) -> set[int]:
+    """The heights of the row blocks ``rows`` rows are cut into, ``block_rows`` at a time."""
+    return {min(block_rows, rows), rows % block_rows if rows > block_rows else 0} - {0}
+
+
+def _compile_upcast_accumulation(root: torch.fx.GraphModule, device: torch.device) -> int:
     """Compile each ``acc.add_(x)`` whose ``x`` is narrower than ``acc`` with Inductor.
 
     A half-precision tile's weight gradient is added into the float32 sum once per tile.
@@ -579,11 +598,8 @@ def _compile_upcast_accumulation(gm: torch.fx.GraphModule, device: torch.device)
     formed and added in blocks of rows (:class:`_BlockedUpcastAccumulate`).
     """
     compiled = 0
-    for node in list(gm.graph.nodes):
+    for gm, node in _graph_nodes(root):
         if node.op == "call_module":
-            child = gm.get_submodule(node.target)
-            if isinstance(child, torch.fx.GraphModule):
-                compiled += _compile_upcast_accumulation(child, device)
             continue
         if node.target is not aten.add_.Tensor or len(node.args) != 2 or node.kwargs:
             continue
@@ -603,7 +619,7 @@ def _compile_upcast_accumulation(gm: torch.fx.GraphModule, device: torch.device)
             and rows < vals[0].shape[0]
         )
         if blocked:
-            heights = {rows, vals[0].shape[0] % rows} - {0}
+            heights = _block_heights(vals[0].shape[0], rows)
             adds = {
                 height: _compiled_add(
                     torch.empty((height, vals[0].shape[1]), dtype=vals[0].dtype, device=device),
@@ -628,7 +644,7 @@ def _compile_upcast_accumulation(gm: torch.fx.GraphModule, device: torch.device)
             for dead in _chain_to(update, product):
                 gm.graph.erase_node(dead)
         compiled += 1
-    gm.recompile()
+    _recompile_all(root)
     return compiled
 
 
@@ -674,15 +690,12 @@ def _onednn_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = Non
     return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
 
 
-def _route_gemms_to_onednn(gm: torch.fx.GraphModule) -> int:
+def _route_gemms_to_onednn(root: torch.fx.GraphModule) -> int:
     """Replace the graph's out-of-place float32 ``mm`` (and ``addmm`` of a ``[V]`` bias) with
     :func:`_onednn_mm`; the in-place weight-gradient ``addmm_`` stays aten's."""
     routed = 0
-    for node in list(gm.graph.nodes):
+    for gm, node in _graph_nodes(root):
         if node.op == "call_module":
-            child = gm.get_submodule(node.target)
-            if isinstance(child, torch.fx.GraphModule):
-                routed += _route_gemms_to_onednn(child)
             continue
         vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args]
         if not vals or not all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in vals):
@@ -699,7 +712,7 @@ def _route_gemms_to_onednn(gm: torch.fx.GraphModule) -> int:
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)
         routed += 1
-    gm.recompile()
+    _recompile_all(root)
     return routed
 
 
@@ -741,16 +754,13 @@ class _SplitAddByBlockHeight:
         self.adds[hi.shape[0]](hi, lo, x)
 
 
-def _block_split_accumulation(gm: torch.fx.GraphModule, key: KernelKey) -> int:
+def _block_split_accumulation(root: torch.fx.GraphModule, key: KernelKey) -> int:
     """Turn ``split_accumulate_(hi, lo, mm(a, b))`` (modulo double transposes, the product used
     nowhere else) into a blocked product, so the tile never holds a ``[V, H]`` temporary; in
     compiled tiles each block is added by one Inductor kernel."""
     rewritten = 0
-    for node in list(gm.graph.nodes):
+    for gm, node in _graph_nodes(root):
         if node.op == "call_module":
-            child = gm.get_submodule(node.target)
-            if isinstance(child, torch.fx.GraphModule):
-                rewritten += _block_split_accumulation(child, key)
             continue
         if node.target is not torch.ops.tile_pass.split_accumulate_.default:
             continue
@@ -767,7 +777,7 @@ def _block_split_accumulation(gm: torch.fx.GraphModule, key: KernelKey) -> int:
                 _weight_grad.BLOCK_BYTES
                 // max(1, H * torch.empty((), dtype=key.weight_dtype).element_size()),
             )
-            heights = {min(step, V), V % step if V > step else 0} - {0}
+            heights = _block_heights(V, step)
             add = _SplitAddByBlockHeight({
                 h: _compiled_split_add(
                     torch.empty((h, H), dtype=torch.int16, device=key.device),
@@ -785,7 +795,7 @@ def _block_split_accumulation(gm: torch.fx.GraphModule, key: KernelKey) -> int:
         for dead in chain:
             gm.graph.erase_node(dead)
         rewritten += 1
-    gm.recompile()
+    _recompile_all(root)
     return rewritten
 
 
