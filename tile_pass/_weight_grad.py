@@ -63,17 +63,21 @@ def plan(
 ) -> tuple[int, str]:
     """The tile and the weight-gradient schedule for a batch of ``num_tokens``.
 
-    A batch that runs as one tile needs no sum across tiles: the tile's own GEMM forms the
-    weight gradient with float32 accumulation and rounds it once, as eager does (``direct``).
+    For half-precision weights (under the split schedule), a batch that runs as one tile needs
+    no sum across tiles: the tile's own GEMM forms the weight gradient with float32
+    accumulation and rounds it once, as eager does (``direct``). Float32 weights keep their
+    in-place sum, which is the gradient itself.
     With automatic tiles (``largest_tile`` given) a half-precision batch that fits the budget
     also runs as one tile when that holds fewer bytes than the split sum's low plane plus the
     smaller tiles: ``P * per_token < 2 * V * H + tile * per_token`` (``P``: the batch padded to
     a power of two). That is the small batches, where the logits are small next to the head.
     """
     schedule = schedule_for(weight_dtype, acc_dtype)
+    if schedule != "split":  # float32 weights: the sum is the gradient; or the float32 schedule was asked for
+        return tile, schedule
     if num_tokens <= tile:
         return tile, "direct"
-    if schedule != "split" or largest_tile is None or num_tokens > largest_tile:
+    if largest_tile is None or num_tokens > largest_tile:
         return tile, schedule
     padded = 16
     while padded < num_tokens:
