@@ -349,6 +349,25 @@ def test_autocast_head_is_tiled_like_eager_autocast(fn):
         torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-3 * e.abs().max().item())
 
 
-def test_autocast_with_returned_logits_is_reported():
-    report = tile_pass.explain(autocast_returns_logits, *fp32_inputs())
-    assert not report.rewrites and "autocast LM head are also returned" in report.skipped[0].reason
+def test_autocast_with_returned_logits_is_tiled():
+    """The returned logits keep autocast's dtype and values; their gradient path replays the
+    projection on the cast inputs, so gradients through them reach the float32 leaves."""
+    backend = tile_pass.backend("aot_eager", tile_tokens=8)
+    h, w, y = fp32_inputs()
+
+    def objective(fn):
+        def run(h, w, y):
+            loss, logits = fn(h, w, y)
+            assert logits.dtype == torch.bfloat16
+            return loss + logits.float().pow(2).mean()
+
+        return run
+
+    eager, eager_grads = value_and_grads(objective(autocast_returns_logits), leaves(h, w, y))
+    compiled = torch.compile(autocast_returns_logits, backend=backend)
+    out, grads = value_and_grads(objective(compiled), leaves(h, w, y))
+    assert len(backend.report().rewrites) == 1 and not backend.report().skipped, str(backend.report())
+    torch.testing.assert_close(out, eager, rtol=2e-3, atol=1e-4)
+    for g, e in zip(grads[:2], eager_grads[:2], strict=True):
+        assert g.dtype == e.dtype == torch.float32
+        torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-3 * e.abs().max().item())

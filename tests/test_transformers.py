@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import DEVICES, assert_close_to_oracle
+from conftest import DEVICES, assert_close_to_oracle, assert_no_worse_than_eager
 
 import tile_pass
 
@@ -160,3 +160,37 @@ def test_nanogpt_style_tied_no_upcast(device):
     assert_close_to_oracle(logits, ref_logits, torch.float32, "logits")
     for (name, p), (_, q) in zip(model.named_parameters(), oracle.named_parameters(), strict=True):
         assert_close_to_oracle(p.grad, q.grad, torch.float32, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make", [llama, qwen2, gemma2], ids=lambda f: f.__name__)
+def test_autocast_step_with_returned_logits_is_tiled(make, device):
+    """Under ``torch.autocast(bfloat16)`` every *ForCausalLM returns its bf16 logits beside the
+    loss: the head is tiled, the logits come back in autocast's dtype, and the loss, the
+    logits and every gradient (through the loss and through the returned logits) are within
+    eager autocast's own error against float64 eager."""
+    torch.manual_seed(0)
+    model = make().to(device)
+    oracle = copy.deepcopy(model).double()
+    eager = copy.deepcopy(model)
+    ids, labels = batch(device, seed=3)
+    backend = tile_pass.backend("aot_eager", tile_tokens=8)
+    compiled = torch.compile(model, backend=backend)
+
+    def step(fn, autocast):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = fn(input_ids=ids, labels=labels, use_cache=False)
+        (out.loss + 0.1 * out.logits.float().pow(2).mean()).backward()
+        return out
+
+    out, ref, out_eager = step(compiled, True), step(oracle, False), step(eager, True)
+    assert backend.report().rewrites and not backend.report().skipped, str(backend.report())
+    assert out.logits.dtype == out_eager.logits.dtype == torch.bfloat16
+    assert out.loss.dtype == out_eager.loss.dtype
+    assert_no_worse_than_eager(out.loss, out_eager.loss, ref.loss, "loss")
+    assert_no_worse_than_eager(out.logits, out_eager.logits, ref.logits, "logits")
+    named_ref = dict(oracle.named_parameters())
+    named_eager = dict(eager.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.dtype == p.dtype, name
+        assert_no_worse_than_eager(p.grad, named_eager[name].grad, named_ref[name].grad, f"grad {name}")

@@ -521,11 +521,6 @@ def match_region(loss: torch.fx.Node) -> Region:
                 f"the logits are also consumed by {', '.join(_describe(u) for u in others)}, so they "
                 "must exist whole; compute that from the loss or drop it to get the tiled loss"
             )
-    if returned is not None and autocast_dtype is not None:
-        raise _NoMatch(
-            "the logits of an autocast LM head are also returned; that combination is not tiled yet "
-            "(compute the loss outside autocast, or return the logits after the loss)"
-        )
     return Region(
         loss=loss,
         erase=erase,
@@ -580,6 +575,21 @@ def _prefix_inputs(region: Region) -> list[torch.fx.Node]:
         if node is not None:
             inputs += [n for n in node.all_input_nodes if n not in inputs and n not in inside]
     return inputs
+
+
+def _autocast_inputs(
+    graph: torch.fx.Graph, region: Region, inputs: list[torch.fx.Node], before: torch.fx.Node
+) -> list[torch.fx.Node]:
+    """The prefix's inputs as the projection saw them: under autocast, hidden, weight and bias
+    cast to the autocast dtype (as autocast casts F.linear's inputs), so that the replay of the
+    returned logits' gradient path, which runs outside autocast, computes in that dtype and
+    its gradient flows back through the casts to the float32 parameters."""
+    if region.autocast_dtype is None:
+        return inputs
+    projection_inputs = 3 if region.bias is not None else 2
+    with graph.inserting_before(before):
+        cast = [graph.call_method("to", (node, region.autocast_dtype)) for node in inputs[:projection_inputs]]
+    return cast + inputs[projection_inputs:]
 
 
 def _unflatten_tokens(logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -661,7 +671,7 @@ def _rewrite(
             record = ReturnedLogits(
                 position, list(range(extra_base, extra_base + len(inputs))), _prefix_module(region, inputs)
             )
-            outputs += inputs
+            outputs += _autocast_inputs(graph, region, inputs, output)
             handled = (
                 "returned exactly"
                 + (", written by the tiles (no extra GEMM)" if from_tiles else "")
