@@ -98,8 +98,6 @@ def _run_tiles(
     masked prompt or padding runs only the GEMMs of its labelled tokens. Their per-token
     loss and hidden gradient are zero, as in eager.
     """
-    if not head.soft_targets:
-        _check_labels(target, weight.shape[0], head.ignore_index)
     tiles = _Tiles(
         weight, bias, extras, head, tile_tokens, compile_tiles, need_hidden, need_weight, need_bias,
         keep_logits_after,
@@ -239,16 +237,16 @@ def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
     )
 
 
-def _check_labels(target: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+def _check_labels(target: torch.Tensor, vocab_size: int, head: LossHead) -> None:
     """Raise as eager does for a class index outside ``[0, V)``, where that costs no host sync.
 
     On CPU a compiled tile indexes the logits with the label directly, and an out-of-range
     one aborts the whole process; one pass over ``N`` labels turns that into eager's
     ``IndexError``. On an accelerator the tiles' own device-side checks stand, as eager's do.
     """
-    if target.device.type != "cpu" or target.numel() == 0:
+    if head.soft_targets or target.device.type != "cpu" or target.numel() == 0:
         return
-    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    bad = (target != head.ignore_index) & ((target < 0) | (target >= vocab_size))
     if bad.any():
         raise IndexError(f"Target {int(target[bad][0])} is out of bounds.")
 
@@ -306,6 +304,7 @@ def _linear_ce_reduced(
     keep_logits_after: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     head = LossHead.from_spec(head_spec, ignore_index, label_smoothing, tuple(constants))
+    _check_labels(target, weight.shape[0], head)  # forward only: the backward re-runs checked labels
     logits_out = _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after)
     coef, count = _token_weights(head, target, extras, _acc_dtype(hidden), mean)
     total, *grads = _run_tiles(
@@ -398,6 +397,7 @@ def _linear_ce_tokens(
     compile_tiles: bool,
 ) -> torch.Tensor:
     head = LossHead.from_spec(head_spec, ignore_index, label_smoothing, tuple(constants))
+    _check_labels(target, weight.shape[0], head)
     out = hidden.new_empty((hidden.shape[0],), dtype=_loss_dtype(hidden, head_spec, extras))
     coef = hidden.new_zeros((hidden.shape[0],), dtype=_acc_dtype(hidden))
     _run_tiles(
