@@ -470,7 +470,7 @@ def _store_grad_over_logits(
     return rewritten, (index, None if single else position)
 
 
-def _compile_middle(split: torch.fx.GraphModule, key: KernelKey, logits_name: str) -> None:
+def _compile_middle(split: torch.fx.GraphModule, key, logits_name: str) -> None:
     """Compile ``split.submod_1`` with Inductor (no Dynamo: it is already an aten graph),
     storing the logits gradient over the logits tile where that is safe."""
     from torch._inductor.compile_fx import compile_fx
@@ -799,10 +799,11 @@ def _block_split_accumulation(root: torch.fx.GraphModule, key: KernelKey) -> int
     return rewritten
 
 
-def _trace(key: KernelKey) -> TileKernel:
-    with FakeTensorMode(allow_non_fake_inputs=False):
-        inputs = _example_inputs(key)
-    gm = make_fx(_joint_function(key), tracing_mode="fake")(*inputs)
+def finish_tile_graph(gm: torch.fx.GraphModule, key, between=None) -> torch.fx.GraphModule:
+    """The passes every derived tile graph gets: the weight-gradient sum in place; with
+    ``key.compiled`` the elementwise middle compiled by Inductor; ``between(gm)`` (a pass of the
+    caller's); then, with ``key.onednn``, the float32 GEMMs on oneDNN. ``key`` needs
+    ``compiled``, ``device`` and ``onednn``."""
     _accumulate_weight_grad_in_place(gm)
     if key.compiled:
         logits = next((n for n in gm.graph.nodes if n.target in _GEMMS), None)
@@ -811,11 +812,24 @@ def _trace(key: KernelKey) -> TileKernel:
             _compile_middle(split, key, logits.name)
             gm = split
         _compile_upcast_accumulation(gm, key.device)
-    if key.weight_grad == "split":
-        _block_split_accumulation(gm, key)
+    if between is not None:
+        between(gm)
     if key.onednn:
         log.debug("tile %s: %d GEMMs on oneDNN", key, _route_gemms_to_onednn(gm))
-    return TileKernel(key, gm)
+    return gm
+
+
+def trace_fake(fn, inputs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> torch.fx.GraphModule:
+    """``fn`` traced by ``make_fx`` on zero-filled fake inputs of these shapes and dtypes."""
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        examples = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in inputs]
+    return make_fx(fn, tracing_mode="fake")(*examples)
+
+
+def _trace(key: KernelKey) -> TileKernel:
+    gm = trace_fake(_joint_function(key), [(shape, dtype) for _, shape, dtype in _inputs_of(key)], key.device)
+    split_sum = (lambda gm: _block_split_accumulation(gm, key)) if key.weight_grad == "split" else None
+    return TileKernel(key, finish_tile_graph(gm, key, split_sum))
 
 
 _cache = _BoundedCache(TILE_KERNEL_CACHE_SIZE)
@@ -823,16 +837,22 @@ _cache_lock = threading.Lock()
 _tracer: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def tile_kernel(key: KernelKey) -> TileKernel:
-    """The derived tile function for ``key``, traced once per process."""
+def traced_once(key, trace):
+    """``trace(key)``, run once per process on the tracing thread (see the module docstring)
+    and kept in the bounded cache of tile functions."""
     global _tracer
     with _cache_lock:
         kernel = _cache.get(key)
         if kernel is None:
             if _tracer is None:
                 _tracer = concurrent.futures.ThreadPoolExecutor(1, "tile_pass_tracer")
-            kernel = _cache.put(key, _tracer.submit(_trace, key).result())
+            kernel = _cache.put(key, _tracer.submit(trace, key).result())
     return kernel
+
+
+def tile_kernel(key: KernelKey) -> TileKernel:
+    """The derived tile function for ``key``, traced once per process."""
+    return traced_once(key, _trace)
 
 
 def clear_caches() -> None:

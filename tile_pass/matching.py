@@ -26,22 +26,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 try:  # torch >= 2.13
     from torch.fx.experimental.symbolic_shapes import optimization_hint
 except ImportError:  # torch 2.11/2.12: the same unguarded hint, under its older name
     from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
-from tile_pass import _weight_grad
+from tile_pass import _region_match, _weight_grad
+from tile_pass._fx import as_linear as _as_linear
+from tile_pass._fx import same as _same
+from tile_pass._fx import val as _val
+from tile_pass._rules import NoMatch
 from tile_pass._tile_kernel import encode_head_spec
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
 from tile_pass.report import GraphReport, Rewrite, Skip, source_line
 from tile_pass.tiled_loss import tiled_region_loss
 
-_LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
-_MATMUL_FUNCTIONS = {operator.matmul, torch.matmul, torch.mm}
-_MATMUL_METHODS = {"matmul", "__matmul__", "mm"}
 _VIEW_METHODS = {"view", "reshape", "flatten"}
 _VIEW_FUNCTIONS = {torch.reshape, torch.flatten}
 _CAST_METHODS = {"float", "to", "type"}
@@ -58,8 +58,7 @@ _NLL_SIGNATURE = inspect.signature(F.nll_loss)
 _LOG_SOFTMAX_SIGNATURE = inspect.signature(F.log_softmax)
 
 
-class _NoMatch(Exception):
-    """Raised with the plain-language reason a candidate cannot be rewritten exactly."""
+_NoMatch = NoMatch
 
 
 @dataclass
@@ -114,19 +113,6 @@ class GraphRewrite:
     returned_logits: list[ReturnedLogits] = field(default_factory=list)
 
 
-def _val(node) -> torch.Tensor | None:
-    if not isinstance(node, torch.fx.Node):
-        return None
-    value = node.meta.get("example_value", node.meta.get("val"))
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return statically_known_true(a == b)
-
-
 def _name(node: torch.fx.Node) -> str:
     if node.op == "call_method":
         return f".{node.target}()"
@@ -139,48 +125,6 @@ def _describe(node: torch.fx.Node) -> str:
     if node.op == "output":
         return "the graph output (the function returns them)"
     return f"`{_name(node)}` at {source_line(node)}"
-
-
-def _transposed_weight(node) -> torch.fx.Node | None:
-    """``W`` if ``node`` is ``W.t()``, ``W.T``, ``W.mT``, ``W.transpose(0, 1)`` or ``W.permute(1, 0)``."""
-    if not isinstance(node, torch.fx.Node) or not node.args:
-        return None
-    source = node.args[0]
-    source_val = _val(source)
-    if source_val is None or source_val.dim() != 2:
-        return None
-    target, rest = node.target, tuple(node.args[1:])
-    if node.op == "call_method" and target == "t" or target is torch.t:
-        return source
-    if node.op == "call_function" and target is getattr and rest in (("T",), ("mT",)):
-        return source
-    if target in ("transpose", torch.transpose) and {d % 2 for d in rest} == {0, 1}:
-        return source
-    if target == "permute" and [d % 2 for d in rest] == [1, 0]:
-        return source
-    return None
-
-
-def _as_linear(node: torch.fx.Node):
-    """``(hidden, weight, bias, transpose_node, form)`` if ``node`` is an LM-head projection."""
-    if node.op == "call_function" and node.target in _LINEAR_TARGETS:
-        args = list(node.args) + [None] * (3 - len(node.args))
-        hidden = node.kwargs.get("input", args[0])
-        weight = node.kwargs.get("weight", args[1])
-        bias = node.kwargs.get("bias", args[2])
-        return hidden, weight, bias, None, "F.linear" + ("(+bias)" if bias is not None else "")
-    is_matmul = (node.op == "call_function" and node.target in _MATMUL_FUNCTIONS) or (
-        node.op == "call_method" and node.target in _MATMUL_METHODS
-    )
-    if is_matmul and len(node.args) == 2 and not node.kwargs:
-        weight = _transposed_weight(node.args[1])
-        if weight is None:
-            raise _NoMatch(
-                "the matmul's right operand is not a transposed 2-D weight (W.t() / W.T), "
-                "so it is not recognised as an LM head"
-            )
-        return node.args[0], weight, None, node.args[1], "hidden @ W.T"
-    return None
 
 
 def _bind(signature: inspect.Signature, node: torch.fx.Node, what: str) -> dict:
@@ -704,11 +648,12 @@ def rewrite_graph(
     run_compiled_tiles = compile_tiles if run_compiled_tiles is None else run_compiled_tiles
     result = GraphRewrite(GraphReport(index=graph_index))
     report = result.report
+    skipped_losses: dict[torch.fx.Node, Skip] = {}
     for loss in [n for n in gm.graph.nodes if _is_loss(n)]:
         try:
             region = match_region(loss)
         except _NoMatch as why:
-            report.skipped.append(Skip(graph_index, source_line(loss), str(why)))
+            skipped_losses[loss] = Skip(graph_index, source_line(loss), str(why))
             continue
         vocab_size, hidden_size = _val(region.weight).shape
         dtype = _val(region.linear).dtype
@@ -764,10 +709,88 @@ def rewrite_graph(
                 weight_grad_sum=_weight_grad_sum(schedule, dtype),
             )
         )
+    _rewrite_row_regions(gm, result, skipped_losses, tile_tokens, tile_bytes, drop_logits, compile_tiles,
+                         run_compiled_tiles)  # fmt: skip
+    report.skipped[:0] = list(skipped_losses.values())
     if report.rewrites:
         gm.graph.lint()
         gm.recompile()
     return result
+
+
+def _rewrite_row_regions(
+    gm, result: GraphRewrite, skipped_losses: dict, tile_tokens, tile_bytes, drop_logits, compile_tiles,
+    run_compiled_tiles,
+) -> None:
+    """The general regions (see ``_region_match``): every projection the cross-entropy chain
+    did not take whose logits reach a row-wise head with several readers. A loss skipped
+    above and taken by a region loses its skip; one in a region that cannot be tiled gets
+    the region's reason, which names the op and the line that stopped it."""
+    report = result.report
+    states = _region_match._autocast_states(gm.graph)
+    for node in [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]:
+        if node.graph is None:  # erased by an earlier rewrite
+            continue
+        try:
+            region = _region_match.match_row_region(gm.graph, node, states, drop_logits)
+            if region is None:
+                continue
+            dtype = _val(node).dtype
+            vocab = region.program.vocab_size
+            tile = choose_tile_tokens(
+                vocab, dtype, dtype != torch.float32, tile_tokens=tile_tokens, tile_bytes=tile_bytes,
+                device=_val(node).device,
+            )  # fmt: skip
+            if tile_tokens is None:
+                tile = auto_tile(tile)
+            covered = set(region.nodes) | set(region.reduction_nodes)
+            loss_line = source_line(region.sink or region.outputs[0].node)
+            handled = _region_match.rewrite_row_region(
+                gm.graph, region, tile_tokens=tile, compile_tiles=run_compiled_tiles, result=result,
+                autocast_states=states,
+            )  # fmt: skip
+        except NoMatch as why:
+            depends = getattr(why, "depends", set())
+            losses = [loss for loss in skipped_losses if loss in depends]
+            line = source_line(losses[0]) if losses else source_line(node)
+            for loss in losses:
+                del skipped_losses[loss]
+            report.skipped.append(Skip(result.report.index, line, str(why)))
+            continue
+        for loss in [loss for loss in skipped_losses if loss in covered]:
+            del skipped_losses[loss]
+        num_tokens = _val(region.hidden).shape[:-1].numel()
+        tokens_hint = optimization_hint(num_tokens, fallback=8192)
+        tile_now = effective_tile(tokens_hint, tile)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        kept = sum(_val(o.node).numel() * itemsize for o in region.outputs if o.layout.kind == "rows")
+        outputs = ", ".join(
+            f"{_region_match.describe_output(o)}" for o in region.outputs
+        )
+        report.rewrites.append(
+            Rewrite(
+                graph=report.index,
+                matmul_source=source_line(region.projection),
+                loss_source=loss_line,
+                form=region.program.form + f" => {outputs}",
+                num_tokens=_plain(num_tokens),
+                hidden_size=_plain(_val(region.weight).shape[1]),
+                vocab_size=_plain(vocab),
+                dtype=str(dtype).replace("torch.", ""),
+                reduction=(
+                    "one scalar loss (its gradient formed in forward)" if region.program.reduction is not None
+                    else "per-token outputs (gradient re-derived in backward)"
+                ),
+                tile_tokens=tile_now,
+                num_tiles=_plain((num_tokens + tile_now - 1) // tile_now),
+                forward_bytes_avoided=_plain(num_tokens * vocab * _forward_bytes(itemsize, True) - kept),
+                backward_bytes_avoided=_plain(num_tokens * vocab * (4 + (itemsize if itemsize != 4 else 0))),
+                returned_logits=handled,
+                returned_logits_bytes=_plain(kept),
+                compiled_tiles=compile_tiles,
+                weight_grad_sum="float32 sum" if _val(region.weight).requires_grad else "none",
+            )
+        )
 
 
 _SCHEDULE_TEXT = {

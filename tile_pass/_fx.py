@@ -1,0 +1,71 @@
+"""Facts about Dynamo graph nodes that every phase of the matcher reads."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from tile_pass._rules import NoMatch
+
+_LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
+_MATMUL_FUNCTIONS = {operator.matmul, torch.matmul, torch.mm}
+_MATMUL_METHODS = {"matmul", "__matmul__", "mm"}
+
+
+def val(node) -> torch.Tensor | None:
+    if not isinstance(node, torch.fx.Node):
+        return None
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def same(a, b) -> bool:
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
+
+
+def transposed_weight(node) -> torch.fx.Node | None:
+    """``W`` if ``node`` is ``W.t()``, ``W.T``, ``W.mT``, ``W.transpose(0, 1)`` or ``W.permute(1, 0)``."""
+    if not isinstance(node, torch.fx.Node) or not node.args:
+        return None
+    source = node.args[0]
+    source_val = val(source)
+    if source_val is None or source_val.dim() != 2:
+        return None
+    target, rest = node.target, tuple(node.args[1:])
+    if node.op == "call_method" and target == "t" or target is torch.t:
+        return source
+    if node.op == "call_function" and target is getattr and rest in (("T",), ("mT",)):
+        return source
+    if target in ("transpose", torch.transpose) and {d % 2 for d in rest} == {0, 1}:
+        return source
+    if target == "permute" and [d % 2 for d in rest] == [1, 0]:
+        return source
+    return None
+
+
+def as_linear(node: torch.fx.Node):
+    """``(hidden, weight, bias, transpose_node, form)`` if ``node`` is an LM-head projection."""
+    if node.op == "call_function" and node.target in _LINEAR_TARGETS:
+        args = list(node.args) + [None] * (3 - len(node.args))
+        hidden = node.kwargs.get("input", args[0])
+        weight = node.kwargs.get("weight", args[1])
+        bias = node.kwargs.get("bias", args[2])
+        return hidden, weight, bias, None, "F.linear" + ("(+bias)" if bias is not None else "")
+    is_matmul = (node.op == "call_function" and node.target in _MATMUL_FUNCTIONS) or (
+        node.op == "call_method" and node.target in _MATMUL_METHODS
+    )
+    if is_matmul and len(node.args) == 2 and not node.kwargs:
+        weight = transposed_weight(node.args[1])
+        if weight is None:
+            raise NoMatch(
+                "the matmul's right operand is not a transposed 2-D weight (W.t() / W.T), "
+                "so it is not recognised as an LM head"
+            )
+        return node.args[0], weight, None, node.args[1], "hidden @ W.T"
+    return None

@@ -1,0 +1,202 @@
+"""The region IR: a row-wise program that runs on one tile of tokens, and its registry.
+
+A region is the LM-head projection plus every node that uses its logits row by row
+(:mod:`tile_pass._region_match` finds it, by the rules of :mod:`tile_pass._rules`). Its
+nodes are copied out of the Dynamo graph into a :class:`RowProgram`: a list of
+:class:`Step` records, each the node's own torch call with its token-shaped arguments
+rewritten to a tile's layout (``[tile, V]`` rows, ``[tile, 1]`` or ``[tile]`` per-token
+values). The tiled op (:mod:`tile_pass.tiled_region`) runs the program on each tile and
+derives its gradient with ``make_fx``; no formula for any op is written here.
+
+Custom ops cannot take a program as an argument, so programs are registered under a key
+that is a hash of their content (:func:`register`): the same region compiled twice, or in
+another process, gets the same key, and the op finds the program by it. This module is the
+only one that builds, encodes or interprets programs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: a per-token value's layout in a tile: ``rows`` is [tile, V], ``tokens1`` [tile, 1], ``tokens`` [tile]
+LAYOUTS = ("rows", "tokens1", "tokens")
+
+
+@dataclass(frozen=True)
+class Ref:
+    """An operand of a step: ``kind`` is ``"value"`` (the output of step ``index - 1``;
+    0 is the projection), ``"token"`` (a per-token input, sliced per tile), ``"row"`` (an
+    input every row shares: a 0-d or ``[V]`` tensor), ``"output"`` or ``"reduce"`` (in a
+    reduction program: a region output, or one of its own inputs)."""
+
+    kind: str
+    index: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node of the region, as the call to make on a tile."""
+
+    op: str  # "call_function" or "call_method"
+    target: Any
+    args: tuple
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    #: the autocast state the node ran under: (device type, dtype), or None
+    autocast: tuple[str, torch.dtype] | None = None
+    source: str = "?"  # the user's line, for reports
+
+    def describe(self) -> str:
+        name = self.target if isinstance(self.target, str) else getattr(self.target, "__name__", str(self.target))
+        return f".{name}()" if self.op == "call_method" else name
+
+
+@dataclass(frozen=True)
+class Output:
+    """A value of the program that leaves the tile loop."""
+
+    value: int  # index of the value (0: the projection)
+    layout: str  # one of LAYOUTS
+    dtype: torch.dtype
+    differentiable: bool
+
+
+@dataclass(frozen=True)
+class ReductionProgram:
+    """The token reductions from the region's per-token outputs to one scalar loss, when they
+    are linear in those outputs (sums, means, products with tensors that need no gradient):
+    then the loss's gradient with respect to each output does not depend on the outputs, so
+    the tiles form the whole gradient in forward, at unit upstream gradient."""
+
+    steps: tuple[Step, ...]  # its inputs: the region's outputs, flat, and its own ("reduce")
+    result: int  # the value index of the scalar loss
+    dtype: torch.dtype  # the loss's
+
+
+@dataclass(frozen=True)
+class RowProgram:
+    """A region's row-wise subgraph, ready to run on one tile of tokens."""
+
+    steps: tuple[Step, ...]
+    outputs: tuple[Output, ...]
+    vocab_size: int
+    #: per token input: its layout in the tile (``rows`` for a teacher's logits, ...)
+    token_layouts: tuple[str, ...]
+    num_row_inputs: int
+    has_bias: bool
+    #: per token input that indexes the vocabulary: (input, how eager reports a bad index,
+    #: ignore_index or None), checked before the tiles on CPU
+    index_checks: tuple[tuple[int, str, int | None], ...] = ()
+    reduction: ReductionProgram | None = None
+    form: str = ""
+    key: str = field(default="", compare=False)
+
+
+# ---------------------------------------------------------------------------- interpreter
+
+
+def _resolve(arg, env: dict):
+    if isinstance(arg, Ref):
+        return env[arg]
+    if isinstance(arg, (tuple, list)):
+        return type(arg)(_resolve(a, env) for a in arg)
+    return arg
+
+
+def _autocast(state: tuple[str, torch.dtype] | None, device_type: str):
+    """The autocast state a step ran under, or autocast off (tiles run outside it)."""
+    if state is None:
+        return torch.autocast(device_type, enabled=False) if _autocast_known(device_type) else contextlib.nullcontext()
+    return torch.autocast(state[0], dtype=state[1])
+
+
+def _autocast_known(device_type: str) -> bool:
+    try:
+        torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
+    return True
+
+
+def run_steps(steps, env: dict, first_value: int, device_type: str) -> dict:
+    """Run ``steps`` on the values in ``env``; step ``i`` writes ``Ref("value", first_value + i)``."""
+    for i, step in enumerate(steps):
+        args = _resolve(step.args, env)
+        kwargs = {name: _resolve(value, env) for name, value in step.kwargs}
+        with _autocast(step.autocast, device_type):
+            if step.op == "call_method":
+                result = getattr(args[0], step.target)(*args[1:], **kwargs)
+            else:
+                result = step.target(*args, **kwargs)
+        env[Ref("value", first_value + i)] = result
+    return env
+
+
+def run_program(
+    program: RowProgram,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    token_inputs,
+    row_inputs,
+) -> list[torch.Tensor]:
+    """The program's outputs for the tokens of ``hidden`` (a tile, or all of them, flat)."""
+    env: dict = {Ref("value", 0): F.linear(hidden, weight, bias)}
+    env.update((Ref("token", i), t) for i, t in enumerate(token_inputs))
+    env.update((Ref("row", i), t) for i, t in enumerate(row_inputs))
+    run_steps(program.steps, env, 1, hidden.device.type)
+    return [env[Ref("value", out.value)] for out in program.outputs]
+
+
+def run_reduction(reduction: ReductionProgram, outputs, reduce_inputs, device_type: str) -> torch.Tensor:
+    """The scalar loss from the region's full per-token outputs (flat, as the tiles give them)."""
+    env: dict = {Ref("output", i): out for i, out in enumerate(outputs)}
+    env.update((Ref("reduce", i), t) for i, t in enumerate(reduce_inputs))
+    run_steps(reduction.steps, env, 0, device_type)
+    return env[Ref("value", reduction.result)]
+
+
+# ------------------------------------------------------------------------------ registry
+
+_programs: dict[str, RowProgram] = {}
+_lock = threading.Lock()
+
+
+def _canonical(obj) -> str:
+    """A text form of a program that is the same in every process (no ids, no addresses)."""
+    if isinstance(obj, (Step, Output, Ref, ReductionProgram, RowProgram)):
+        fields = [f for f in obj.__dataclass_fields__ if f not in ("key", "source", "form")]
+        return f"{type(obj).__name__}(" + ",".join(_canonical(getattr(obj, f)) for f in fields) + ")"
+    if isinstance(obj, (tuple, list)):
+        return "(" + ",".join(_canonical(o) for o in obj) + ")"
+    if callable(obj) and not isinstance(obj, torch.dtype):
+        return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', obj))}"
+    if isinstance(obj, float):
+        return obj.hex()
+    return repr(obj)
+
+
+def register(program: RowProgram) -> RowProgram:
+    """Register ``program``; returns it with its key (a hash of its content) filled in."""
+    key = "rowprog-" + hashlib.sha256(_canonical(program).encode()).hexdigest()[:24]
+    keyed = RowProgram(**{**program.__dict__, "key": key})
+    with _lock:
+        _programs.setdefault(key, keyed)
+    return _programs[key]
+
+
+def lookup(key: str) -> RowProgram:
+    try:
+        return _programs[key]
+    except KeyError:
+        raise RuntimeError(
+            f"tile_pass: row program {key!r} is not registered in this process. It is registered when "
+            "tile_pass rewrites the graph; a compiled artifact loaded without that rewrite (an AOT "
+            "package) cannot run it. Compile with backend='tile_pass' in this process."
+        ) from None

@@ -1,0 +1,484 @@
+"""A region's row-wise program, run tile by tile, with its gradient derived.
+
+The general form of :mod:`tile_pass.tiled_loss`: the tile function is the user's own
+row-wise subgraph (a :class:`~tile_pass._region.RowProgram`), with several per-token
+outputs (losses, log-probabilities, log-sum-exps, entropies, ``argmax``), and rows
+returned to the caller. One pass over the tiles computes every output: one logits GEMM per
+tile, however many consumers the logits had.
+
+Two custom ops, chosen by the matcher:
+
+* ``tile_pass::row_region_loss``, when the outputs reach one scalar loss through token
+  reductions that are linear in them (sums, means, masked means, ``/ num_items_in_batch``,
+  per-sequence sums times advantages). The gradient of that reduction with respect to each
+  output is derived once (``make_fx`` of ``autograd.grad``; it does not depend on the outputs),
+  becomes the tiles' token weights, and each tile forms its share of the loss's gradient in
+  forward: three GEMMs per token in all, as for the plain cross entropy. Backward scales the
+  saved gradients by the incoming scalar, which is the chain rule and nothing else.
+* ``tile_pass::row_region``, otherwise: forward makes the outputs; backward re-runs the tiles
+  with each output's incoming gradient as its tangent (``row_region_backward``), an exact
+  vector-Jacobian product for any tangent.
+
+The tiles' gradient comes from ``torch.autograd.grad`` of the program traced by ``make_fx``,
+never from a formula written here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tile_pass import _region
+from tile_pass._region import RowProgram
+from tile_pass._tile_kernel import finish_tile_graph, onednn_gemms_apply, trace_fake, traced_once
+from tile_pass._tiling import effective_tile
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramKernelKey:
+    """A traced tile function of one program, for one tile size, dtype and device."""
+
+    program: str
+    tile: int
+    hidden_size: int
+    hidden_dtype: torch.dtype
+    weight_dtype: torch.dtype
+    bias_dtype: torch.dtype | None
+    token_inputs: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # per-token row part and dtype
+    row_inputs: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    tangents: tuple[int, ...]  # the outputs that get a tangent (a token weight)
+    device: torch.device
+    need_hidden: bool
+    need_weight: bool
+    need_bias: bool
+    acc_dtype: torch.dtype
+    compiled: bool = False
+    onednn: bool = False
+
+
+def _kernel_inputs(key: ProgramKernelKey, program: RowProgram) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    T, H, V = key.tile, key.hidden_size, program.vocab_size
+    inputs = [((T, H), key.hidden_dtype), ((V, H), key.weight_dtype)]
+    if key.bias_dtype is not None:
+        inputs.append(((V,), key.bias_dtype))
+    inputs += [((T, *part), dtype) for part, dtype in key.token_inputs]
+    inputs += list(key.row_inputs)
+    for index in key.tangents:
+        out = program.outputs[index]
+        inputs.append(((T, *_row_part(out.layout, V)), out.dtype))
+    if key.need_weight:
+        inputs.append(((V, H), key.acc_dtype))
+    if key.need_bias:
+        inputs.append(((V,), key.acc_dtype))
+    return inputs
+
+
+def _row_part(layout: str, vocab_size: int) -> tuple[int, ...]:
+    return {"rows": (vocab_size,), "tokens1": (1,), "tokens": ()}[layout]
+
+
+def _joint(key: ProgramKernelKey, program: RowProgram):
+    """``(h, W, b, token inputs, row inputs, tangents, dW_acc, db_acc) -> (outputs, dh)``."""
+    num_token, num_row = len(key.token_inputs), len(key.row_inputs)
+
+    def joint(*args):
+        args = list(args)
+        hidden, weight = args.pop(0), args.pop(0)
+        bias = args.pop(0) if key.bias_dtype is not None else None
+        token_inputs = [args.pop(0) for _ in range(num_token)]
+        row_inputs = [args.pop(0) for _ in range(num_row)]
+        tangents = [args.pop(0) for _ in key.tangents]
+        weight_acc = args.pop(0) if key.need_weight else None
+        bias_acc = args.pop(0) if key.need_bias else None
+        wanted = []
+        with torch.enable_grad():
+            if key.need_hidden:
+                hidden = hidden.detach().requires_grad_()
+                wanted.append(hidden)
+            if key.need_weight:
+                weight = weight.detach().requires_grad_()
+                wanted.append(weight)
+            if key.need_bias:
+                bias = bias.detach().requires_grad_()
+                wanted.append(bias)
+            outputs = _region.run_program(program, hidden, weight, bias, token_inputs, row_inputs)
+            grads = [None] * len(wanted)
+            if wanted and key.tangents:
+                grads = torch.autograd.grad(
+                    [outputs[i] for i in key.tangents], wanted, tangents, allow_unused=True
+                )
+        grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wanted, strict=True)]
+        grad_hidden = grads.pop(0) if key.need_hidden else None
+        if key.need_weight:
+            weight_acc.add_(grads.pop(0))
+        if key.need_bias:
+            bias_acc.add_(grads.pop(0))
+        result = [out.detach() for out in outputs]
+        return (*result, grad_hidden) if grad_hidden is not None else tuple(result)
+
+    return joint
+
+
+def _trace_program_kernel(key: ProgramKernelKey):
+    program = _region.lookup(key.program)
+    gm = trace_fake(_joint(key, program), _kernel_inputs(key, program), key.device)
+    return finish_tile_graph(gm, key)
+
+
+def _program_kernel(key: ProgramKernelKey):
+    return traced_once(key, _trace_program_kernel)
+
+
+def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(torch.float32, hidden.dtype)
+
+
+def _check_indices(program: RowProgram, token_inputs: list[torch.Tensor]) -> None:
+    """Raise as eager does for an index outside the vocabulary, where that costs no host sync:
+    on CPU a compiled tile would index out of bounds (and abort); on an accelerator the
+    tiles' device-side checks stand, as eager's do."""
+    for position, message, ignore_index in program.index_checks:
+        index = token_inputs[position]
+        if index.device.type != "cpu" or index.numel() == 0:
+            continue
+        bad = (index < 0) | (index >= program.vocab_size)
+        if ignore_index is not None:
+            bad &= index != ignore_index
+        if bad.any():
+            error = IndexError if message.startswith("Target") else RuntimeError
+            raise error(message.format(int(index[bad][0])))
+
+
+def _run_tiles(
+    program: RowProgram,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    token_inputs: list[torch.Tensor],
+    row_inputs: list[torch.Tensor],
+    tangents: dict[int, torch.Tensor],
+    tile_tokens: int,
+    compile_tiles: bool,
+    need: tuple[bool, bool, bool],
+    keep_outputs: bool = True,
+):
+    """Every tile once; returns (outputs, grad hidden, grad weight, grad bias): each output
+    flat over the tokens, the gradients of ``sum(tangent * output)`` (or ``None``)."""
+    need_hidden, need_weight, need_bias = need
+    num_tokens, hidden_size = hidden.shape
+    vocab_size = program.vocab_size
+    acc = _acc_dtype(hidden)
+    tile = effective_tile(num_tokens, tile_tokens)
+    key = ProgramKernelKey(
+        program=program.key,
+        tile=tile,
+        hidden_size=hidden_size,
+        hidden_dtype=hidden.dtype,
+        weight_dtype=weight.dtype,
+        bias_dtype=None if bias is None else bias.dtype,
+        token_inputs=tuple((tuple(t.shape[1:]), t.dtype) for t in token_inputs),
+        row_inputs=tuple((tuple(r.shape), r.dtype) for r in row_inputs),
+        tangents=tuple(sorted(tangents)) if any(need) else (),
+        device=hidden.device,
+        need_hidden=need_hidden,
+        need_weight=need_weight,
+        need_bias=need_bias,
+        acc_dtype=acc,
+        compiled=compile_tiles,
+        onednn=onednn_gemms_apply(hidden.device),
+    )
+    outputs = [
+        hidden.new_empty((num_tokens, *_row_part(out.layout, vocab_size)), dtype=out.dtype)
+        for out in program.outputs
+    ] if keep_outputs else None  # fmt: skip
+    grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
+    weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
+    bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
+    for start in range(0, num_tokens, tile):
+        stop = min(start + tile, num_tokens)
+        rows = stop - start
+        size = tile if rows == tile else effective_tile(rows, tile)
+        kernel = _program_kernel(key if size == key.tile else dataclasses.replace(key, tile=size))
+
+        def cut(t, fill_zero=False):
+            t = t[start:stop]
+            if rows == size:
+                return t
+            # padding rows repeat a real row (finite wherever the data is) with a zero tangent,
+            # so they add exactly nothing to any gradient sum
+            pad = t.new_zeros((size - rows, *t.shape[1:])) if fill_zero else t[:1].expand(size - rows, *t.shape[1:])
+            return torch.cat([t, pad])
+
+        args = [cut(hidden), weight] + ([bias] if bias is not None else [])
+        args += [cut(t) for t in token_inputs] + list(row_inputs)
+        args += [cut(tangents[i], fill_zero=True) for i in key.tangents]
+        args += [a for a in (weight_acc, bias_acc) if a is not None]
+        result = list(kernel(*args))
+        if outputs is not None:
+            for out, value in zip(outputs, result, strict=False):
+                out[start:stop] = value[:rows]
+        if need_hidden:
+            grad_hidden[start:stop] = result[len(program.outputs)][:rows]
+    return outputs, grad_hidden, weight_acc, bias_acc
+
+
+def _grads_or_empty(hidden, weight, bias, grad_h, grad_w, grad_b) -> list[torch.Tensor]:
+    empty = hidden.new_empty((0,))
+    return [
+        grad_h if grad_h is not None else empty,
+        grad_w.to(weight.dtype) if grad_w is not None else empty,
+        grad_b.to(bias.dtype) if grad_b is not None else empty,
+    ]
+
+
+def _fake_outputs(program: RowProgram, hidden: torch.Tensor) -> list[torch.Tensor]:
+    return [
+        hidden.new_empty((hidden.shape[0], *_row_part(out.layout, program.vocab_size)), dtype=out.dtype)
+        for out in program.outputs
+    ]
+
+
+def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias) -> list[torch.Tensor]:
+    empty = hidden.new_empty((0,))
+    return [
+        hidden.new_empty(hidden.shape) if need_hidden else empty,
+        weight.new_empty(weight.shape) if need_weight else empty,
+        bias.new_empty(bias.shape) if need_bias else empty,
+    ]
+
+
+def _refuse_double_backward() -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "tile_pass: a second derivative through a tiled region was requested (backward with "
+            "create_graph=True). The tiled region gives exact first derivatives only; compute this "
+            "loss outside a tile_pass-compiled function for higher-order derivatives."
+        )
+
+
+# ------------------------------------------------------------------------- scalar loss
+
+
+def _reduction_gradient(key: str, shapes: tuple, reduce_shapes: tuple, device: torch.device):
+    """The derived gradient of the region's scalar loss with respect to its differentiable
+    outputs: a traced ``autograd.grad`` of the reduction program, which is linear in them."""
+    program = _region.lookup(key)
+    reduction = program.reduction
+    diff = [i for i, out in enumerate(program.outputs) if out.differentiable]
+
+    def gradient(*args):
+        outputs, reduce_inputs = list(args[: len(shapes)]), list(args[len(shapes) :])
+        with torch.enable_grad():
+            for i in diff:
+                outputs[i] = outputs[i].detach().requires_grad_()
+            loss = _region.run_reduction(reduction, outputs, reduce_inputs, device.type)
+            grads = torch.autograd.grad(loss, [outputs[i] for i in diff], allow_unused=True)
+        return tuple(torch.zeros_like(outputs[i]) if g is None else g for i, g in zip(diff, grads, strict=True))
+
+    return traced_once(("reduction", key, shapes, reduce_shapes, device), lambda _: trace_fake(
+        gradient, list(shapes) + list(reduce_shapes), device
+    ))  # fmt: skip
+
+
+@torch.library.custom_op("tile_pass::row_region_loss", mutates_args=())
+def _row_region_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    token_inputs: list[torch.Tensor],
+    row_inputs: list[torch.Tensor],
+    reduce_inputs: list[torch.Tensor],
+    *,
+    program: str,
+    tile_tokens: int,
+    compile_tiles: bool,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> list[torch.Tensor]:
+    """``[loss, grad hidden, grad weight, grad bias, *outputs]``: the gradients of the loss at
+    unit upstream gradient (empty where not needed), the outputs flat over the tokens."""
+    region = _region.lookup(program)
+    _check_indices(region, token_inputs)
+    n = hidden.shape[0]
+    shapes = tuple(((n, *_row_part(o.layout, region.vocab_size)), o.dtype) for o in region.outputs)
+    reduce_shapes = tuple((tuple(t.shape), t.dtype) for t in reduce_inputs)
+    with _region._autocast(None, hidden.device.type):
+        # the token weights: d loss / d output, independent of the outputs (linear reduction)
+        zeros = [hidden.new_zeros(shape, dtype=dtype) for shape, dtype in shapes]
+        diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
+        weights = _reduction_gradient(program, shapes, reduce_shapes, hidden.device)(*zeros, *reduce_inputs)
+        need = (need_hidden, need_weight, need_bias)
+        outputs, *grads = _run_tiles(
+            region, hidden, weight, bias, token_inputs, row_inputs, dict(zip(diff, weights, strict=True)),
+            tile_tokens, compile_tiles, need,
+        )  # fmt: skip
+        loss = _region.run_reduction(region.reduction, outputs, reduce_inputs, hidden.device.type)
+    return [loss, *_grads_or_empty(hidden, weight, bias, *grads), *outputs]
+
+
+@_row_region_loss.register_fake
+def _(hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, *, program, tile_tokens, compile_tiles,
+      need_hidden, need_weight, need_bias):  # fmt: skip
+    region = _region.lookup(program)
+    loss = hidden.new_empty((), dtype=region.reduction.dtype)
+    return [loss, *_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias),
+            *_fake_outputs(region, hidden)]  # fmt: skip
+
+
+def _loss_setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.need = (keyword_only_inputs["need_hidden"], keyword_only_inputs["need_weight"],
+                keyword_only_inputs["need_bias"])  # fmt: skip
+    ctx.counts = tuple(len(inputs[i]) for i in (3, 4, 5))
+    ctx.save_for_backward(*output[1:4])
+    ctx.mark_non_differentiable(*output[4:])
+
+
+def _loss_vjp(ctx, grads):
+    # Glue, not a gradient formula: the gradients were derived in forward at unit upstream
+    # gradient; the loss is a scalar, so the chain rule scales them by the incoming gradient.
+    _refuse_double_backward()
+    grad_loss = grads[0]
+    saved = ctx.saved_tensors
+    result = [(saved[i] * grad_loss).to(saved[i].dtype) if ctx.need[i] else None for i in range(3)]
+    return (*result, *([None] * count for count in ctx.counts))
+
+
+_row_region_loss.register_autograd(_loss_vjp, setup_context=_loss_setup_context)
+
+
+# --------------------------------------------------------------------- per-token outputs
+
+
+@torch.library.custom_op("tile_pass::row_region", mutates_args=())
+def _row_region(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    token_inputs: list[torch.Tensor],
+    row_inputs: list[torch.Tensor],
+    *,
+    program: str,
+    tile_tokens: int,
+    compile_tiles: bool,
+) -> list[torch.Tensor]:
+    """The outputs, flat over the tokens; nothing is differentiated in forward."""
+    region = _region.lookup(program)
+    _check_indices(region, token_inputs)
+    with _region._autocast(None, hidden.device.type):
+        outputs, *_ = _run_tiles(
+            region, hidden, weight, bias, token_inputs, row_inputs, {}, tile_tokens, compile_tiles,
+            (False, False, False),
+        )  # fmt: skip
+    return outputs
+
+
+@_row_region.register_fake
+def _(hidden, weight, bias, token_inputs, row_inputs, *, program, tile_tokens, compile_tiles):
+    return _fake_outputs(_region.lookup(program), hidden)
+
+
+@torch.library.custom_op("tile_pass::row_region_backward", mutates_args=())
+def _row_region_backward(
+    tangents: list[torch.Tensor],
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    token_inputs: list[torch.Tensor],
+    row_inputs: list[torch.Tensor],
+    *,
+    program: str,
+    tile_tokens: int,
+    compile_tiles: bool,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> list[torch.Tensor]:
+    """The vector-Jacobian product for the differentiable outputs' ``tangents`` (in order)."""
+    region = _region.lookup(program)
+    diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
+    with _region._autocast(None, hidden.device.type):
+        _, *grads = _run_tiles(
+            region, hidden, weight, bias, token_inputs, row_inputs, dict(zip(diff, tangents, strict=True)),
+            tile_tokens, compile_tiles, (need_hidden, need_weight, need_bias), keep_outputs=False,
+        )  # fmt: skip
+    return _grads_or_empty(hidden, weight, bias, *grads)
+
+
+@_row_region_backward.register_fake
+def _(tangents, hidden, weight, bias, token_inputs, row_inputs, *, program, tile_tokens, compile_tiles,
+      need_hidden, need_weight, need_bias):  # fmt: skip
+    return _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+def _region_setup_context(ctx, inputs, keyword_only_inputs, output):
+    hidden, weight, bias, token_inputs, row_inputs = inputs
+    ctx.options = dict(keyword_only_inputs)
+    ctx.counts = (len(token_inputs), len(row_inputs))
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(hidden, weight, bias, *token_inputs, *row_inputs)
+    region = _region.lookup(ctx.options["program"])
+    ctx.diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
+    ctx.mark_non_differentiable(*[o for i, o in enumerate(output) if i not in ctx.diff])
+
+
+def _region_vjp(ctx, grads):
+    # The incoming per-token gradients become the tangents of a re-run of the tiles, whose
+    # gradient is derived (see _joint): an exact vector-Jacobian product.
+    _refuse_double_backward()
+    hidden, weight, bias, *rest = ctx.saved_tensors
+    token_inputs, row_inputs = rest[: ctx.counts[0]], rest[ctx.counts[0] :]
+    need = ctx.needs_input_grad[:3]
+    need = (need[0], need[1], need[2] and bias is not None)
+    region = _region.lookup(ctx.options["program"])
+    tangents = [
+        grads[i] if grads[i] is not None else hidden.new_zeros(
+            (hidden.shape[0], *_row_part(region.outputs[i].layout, region.vocab_size)), dtype=region.outputs[i].dtype
+        )
+        for i in ctx.diff
+    ]  # fmt: skip
+    grad_h, grad_w, grad_b = _row_region_backward(
+        tangents, hidden, weight, bias, list(token_inputs), list(row_inputs), **ctx.options,
+        need_hidden=need[0], need_weight=need[1], need_bias=need[2],
+    )  # fmt: skip
+    return (
+        grad_h if need[0] else None,
+        grad_w if need[1] else None,
+        grad_b if need[2] else None,
+        [None] * ctx.counts[0],
+        [None] * ctx.counts[1],
+    )
+
+
+_row_region.register_autograd(_region_vjp, setup_context=_region_setup_context)
+
+
+def run_region(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    token_inputs: list[torch.Tensor],
+    row_inputs: list[torch.Tensor],
+    reduce_inputs: list[torch.Tensor],
+    *,
+    program: str,
+    tile_tokens: int,
+    compile_tiles: bool,
+) -> list[torch.Tensor]:
+    """What the rewritten graph calls: the region's outputs (flat over the tokens), preceded
+    by its scalar loss when the program has one."""
+    hidden = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
+    region = _region.lookup(program)
+    options = dict(program=program, tile_tokens=tile_tokens, compile_tiles=compile_tiles)
+    if region.reduction is None:
+        return _row_region(hidden, weight, bias, token_inputs, row_inputs, **options)
+    grad_on = torch.is_grad_enabled()
+    loss, _, _, _, *outputs = _row_region_loss(
+        hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, **options,
+        need_hidden=grad_on and hidden.requires_grad,
+        need_weight=grad_on and weight.requires_grad,
+        need_bias=grad_on and bias is not None and bias.requires_grad,
+    )  # fmt: skip
+    return [loss, *outputs]
+
