@@ -139,6 +139,11 @@ def per_token_scale(h, w, y):
     return F.cross_entropy((F.linear(h, w) * scale).view(-1, V), y.view(-1))
 
 
+def global_centering(h, w, y):
+    logits = F.linear(h, w)
+    return F.cross_entropy((logits - logits.mean()).view(-1, V), y.view(-1))  # a mean over every token
+
+
 def learnable_scale(h, w, y, s):
     return F.cross_entropy((F.linear(h, w) * s).view(-1, V), y.view(-1))
 
@@ -152,11 +157,11 @@ def graph_break_between(h, w, y):
 @pytest.mark.parametrize(
     ("fn", "extra", "reason"),
     [
-        (per_token_scale, (), "differs per token"),
+        (global_centering, (), "reduced over the tokens"),
         (learnable_scale, (torch.tensor(0.7, dtype=torch.float64, requires_grad=True),), "learnable"),
         (graph_break_between, (), "a graph break separates the LM head from the loss"),
     ],
-    ids=["per_token_scale", "learnable_scale", "graph_break"],
+    ids=["global_centering", "learnable_scale", "graph_break"],
 )
 def test_not_tiled_forms_are_reported_and_exact(fn, extra, reason):
     args = (*inputs("cpu"), *extra)
@@ -164,6 +169,13 @@ def test_not_tiled_forms_are_reported_and_exact(fn, extra, reason):
     assert not report.rewrites
     assert any(reason in s.reason for s in report.skipped), str(report)
     compare(fn, args, tile_pass.backend("aot_eager"))
+
+
+def test_per_token_scale_is_a_per_token_input():
+    args = inputs("cpu")
+    report = tile_pass.explain(per_token_scale, *args)
+    assert len(report.rewrites) == 1, str(report)
+    compare(per_token_scale, args, tile_pass.backend("aot_eager"))
 
 
 # ---------------------------------------------------------------- logits also returned

@@ -280,7 +280,8 @@ class _Matcher:
             raise NoMatch(f"{describe(node)} broadcasts the logits up with {describe(arg)}")
         padded = (1,) * (len(out_shape) - value.dim()) + tuple(value.shape)
         tokens, part = padded[: len(out.tokens)], padded[len(out.tokens) :]
-        if all(same(s, 1) for s in tokens):
+        per_token = all(same(s, t) for s, t in zip(tokens, out.tokens, strict=True))
+        if not per_token and all(same(s, 1) for s in tokens):
             for i, entry in enumerate(self.row_inputs):
                 if entry.node is arg:
                     return Ref("row", i)
@@ -289,8 +290,7 @@ class _Matcher:
         if not all(same(s, 1) or same(s, t) for s, t in zip(tokens, out.tokens, strict=True)):
             raise NoMatch(f"{describe(node)} combines the logits with {describe(arg)} of shape "
                           f"{tuple(value.shape)}, which is not one value per token")  # fmt: skip
-        broadcast = not all(same(s, t) for s, t in zip(tokens, out.tokens, strict=True))
-        if broadcast and part and not same(part[0], 1):
+        if not per_token and part and not same(part[0], 1):
             raise NoMatch(f"{describe(node)} broadcasts {describe(arg)} over tokens into [N, V] rows")
         part = tuple(1 if same(p, 1) else self.vocab for p in part)
         entry = TokenInput(arg, part, self._flat(out.tokens))
@@ -314,8 +314,6 @@ class _Matcher:
         rule = _rules.rule_for(node)
         if rule is None:
             raise NoMatch(f"{describe(node)} has no row-wise rule")
-        if node.target in _HEAD_SIGNS or (isinstance(node.target, str) and node.target in _HEAD_SIGNS):
-            self.head_signs = True
         out = val(node)
         kind = rule.kind
         if kind == "inplace":
@@ -515,6 +513,10 @@ class _Matcher:
             if node is self.projection or not any(a in self.depends for a in node.all_input_nodes):
                 continue
             self.depends.add(node)
+            try:
+                self.head_signs |= node.target in _HEAD_SIGNS
+            except TypeError:  # an unhashable target
+                pass
             if any(a in self.depends and a not in self.values for a in node.all_input_nodes):
                 self.outside[node] = f"{describe(node)} reads a value computed from the logits outside the region"
                 continue
@@ -538,6 +540,8 @@ class _Matcher:
 
     def collect_outputs(self) -> list[RegionOutput] | None:
         """Phase 3: the region values read outside the region; None if it holds no head."""
+        if not self.head_signs:
+            return None
         outputs = []
         for node, (index, layout) in self.values.items():
             users = [u for u in node.users if u not in self.values]
@@ -557,13 +561,14 @@ class _Matcher:
                 blocking = [u for u in users if u.op != "output"]
                 if blocking:
                     user = blocking[0]
+                    detail = self.outside.get(user, "is not row-wise").removeprefix(describe(user)).strip(" ,:")
                     raise NoMatch(
-                        f"the logits ({describe(node)}) are also consumed by {describe(user)}: "
-                        f"{self.outside.get(user, 'it is not row-wise')}; so they must exist whole"
+                        f"the logits ({describe(node)}) are also consumed by {describe(user)}, which {detail}; "
+                        "so they must exist whole"
                     )
             value = val(node)
             outputs.append(RegionOutput(node, index, layout, bool(value.requires_grad) and value.is_floating_point()))
-        if not self.head_signs or not any(o.layout.kind != "rows" for o in outputs):
+        if not any(o.layout.kind != "rows" for o in outputs):
             return None
         for out in outputs:
             out.flat_tokens = self._flat(out.layout.tokens)

@@ -488,7 +488,8 @@ def _compile_middle(split: torch.fx.GraphModule, key, logits_name: str) -> None:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             raise RuntimeError("tile_pass: the tile graph lost its shape metadata")
-        example.append(torch.zeros(val.shape, dtype=val.dtype, device=key.device))
+        # the strides it will be called with (an expanded token weight is not contiguous)
+        example.append(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=key.device).zero_())
     with torch.no_grad():
         split.submod_1 = _Compiled(compile_fx(middle, example), overwritten)
 

@@ -753,9 +753,12 @@ def _rewrite_row_regions(
             depends = getattr(why, "depends", set())
             losses = [loss for loss in skipped_losses if loss in depends]
             line = source_line(losses[0]) if losses else source_line(node)
-            for loss in losses:
-                del skipped_losses[loss]
-            report.skipped.append(Skip(result.report.index, line, str(why)))
+            reason = str(why)
+            for loss in losses:  # what the cross-entropy chain alone found, when it says more
+                chain = skipped_losses.pop(loss).reason
+                if chain not in reason:
+                    reason += f"; as a cross-entropy chain: {chain}"
+            report.skipped.append(Skip(result.report.index, line, reason))
             continue
         for loss in [loss for loss in skipped_losses if loss in covered]:
             del skipped_losses[loss]

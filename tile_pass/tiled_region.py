@@ -166,6 +166,9 @@ def _run_tiles(
     """Every tile once; returns (outputs, grad hidden, grad weight, grad bias): each output
     flat over the tokens, the gradients of ``sum(tangent * output)`` (or ``None``)."""
     need_hidden, need_weight, need_bias = need
+    # the traced tiles assume contiguous slices; a derived token weight can be a broadcast scalar
+    tangents = {i: t.contiguous() for i, t in tangents.items()}
+    token_inputs = [t.contiguous() for t in token_inputs]
     num_tokens, hidden_size = hidden.shape
     vocab_size = program.vocab_size
     acc = _acc_dtype(hidden)
