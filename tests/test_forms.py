@@ -157,7 +157,7 @@ def graph_break_between(h, w, y):
 @pytest.mark.parametrize(
     ("fn", "extra", "reason"),
     [
-        (global_centering, (), "reduced over the tokens"),
+        (global_centering, (), "consumed by `.mean()`"),
         (learnable_scale, (torch.tensor(0.7, dtype=torch.float64, requires_grad=True),), "learnable"),
         (graph_break_between, (), "a graph break separates the LM head from the loss"),
     ],

@@ -513,13 +513,13 @@ class _Matcher:
             if node is self.projection or not any(a in self.depends for a in node.all_input_nodes):
                 continue
             self.depends.add(node)
-            try:
-                self.head_signs |= node.target in _HEAD_SIGNS
-            except TypeError:  # an unhashable target
-                pass
             if any(a in self.depends and a not in self.values for a in node.all_input_nodes):
                 self.outside[node] = f"{describe(node)} reads a value computed from the logits outside the region"
                 continue
+            try:  # a loss-like op reading the region's values: this projection is a head
+                self.head_signs |= node.target in _HEAD_SIGNS
+            except TypeError:  # an unhashable target
+                pass
             try:
                 classified = self.classify(node)
             except NoMatch as why:
@@ -838,8 +838,7 @@ def rewrite_row_region(
         prefix_inputs = [hidden, weight, *([bias] if bias is not None else []), *token_nodes, *row_nodes]
         for out in returned:
             k = region.outputs.index(out)
-            for position in [i for i, n in enumerate(outputs) if n is out.node]:
-                outputs[position] = restored[out.node]
+            for position in [i for i, n in enumerate(outputs) if n is restored[out.node]]:
                 if out.differentiable:
                     prefix = _ProgramPrefix(region.program, k, out.flat_tokens, region.bias is not None)
                     first = extra_base + len(extras)
