@@ -148,3 +148,22 @@ def test_causal_lm_training_step_memory():
 def test_causal_lm_training_step_memory_inductor_large_vocab():
     """The issue's shape: V=65536, 4096 tokens (fp32 logits 1 GiB), inner compiler inductor."""
     _check_causal_lm_step("inductor", 65536, 4096)
+
+
+@pytest.mark.parametrize("form", ["ce_zloss", "grpo"])
+def test_measured_peak_memory_of_multi_read_forms_is_flat_in_tokens(form):
+    """CE + z-loss and a GRPO-style log-prob step (the logits read twice / by log_softmax +
+    gather), one fresh process each: well below plain compilation's peak, and the extra memory
+    of doubling N is the doubled inputs, not doubled logits."""
+    shape = dict(hidden=256, vocab=32000, inner="aot_eager", repeats=1, form=form)
+    plain = measure(StepConfig(impl="compiled", tokens=4096, **shape))
+    tiled = measure(StepConfig(impl="tile_pass", tile_bytes=64 * 2**20, tokens=4096, **shape))
+    doubled = measure(StepConfig(impl="tile_pass", tile_bytes=64 * 2**20, tokens=8192, **shape))
+    assert abs(plain["loss"] - tiled["loss"]) < 1e-4 * abs(plain["loss"]) + 1e-6
+    logits_mib = plain["logits_mib"]
+    assert plain["peak_above_inputs_mib"] > 2 * logits_mib
+    assert tiled["peak_above_inputs_mib"] < logits_mib / 3, (plain, tiled)
+    assert doubled["peak_above_inputs_mib"] - tiled["peak_above_inputs_mib"] < logits_mib / 4, (
+        tiled,
+        doubled,
+    )

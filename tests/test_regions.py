@@ -60,7 +60,9 @@ def dpo_sigmoid(h, w, y, ids, mask, adv, teacher, bias):  # nonlinear in the per
 
 def kl_to_teacher(h, w, y, ids, mask, adv, teacher, bias):  # distillation
     student = F.log_softmax(F.linear(h, w) / 2.0, dim=-1)
-    return F.kl_div(student.view(-1, V), F.softmax(teacher / 2.0, -1).view(-1, V), reduction="batchmean") * 4.0
+    return (
+        F.kl_div(student.view(-1, V), F.softmax(teacher / 2.0, -1).view(-1, V), reduction="batchmean") * 4.0
+    )
 
 
 def kl_written_out(h, w, y, ids, mask, adv, teacher, bias):
@@ -260,4 +262,3 @@ def test_inductor_with_compiled_tiles(fn):
     ref_outs, ref_grads = _oracle(fn, args)
     for out, ref in zip([*outs, *grads], [*ref_outs, *ref_grads], strict=True):
         assert_close_to_oracle(out, ref, torch.float32, fn.__name__)
-

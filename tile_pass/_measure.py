@@ -44,12 +44,48 @@ class StepConfig:
     repeats: int = 3
     seed: int = 0
     ignore_every: int = 7  # every k-th label is ignore_index (0: none)
+    form: str = "ce"  # a key of LOSS_FORMS
 
 
 def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The pattern as user code writes it: linear, float32 upcast, cross entropy."""
     logits = F.linear(hidden, weight)
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+
+
+def z_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy plus PaLM's z-loss: the logits read twice (the loss and their log-sum-exp)."""
+    logits = F.linear(hidden, weight).float()
+    ce = F.cross_entropy(logits, labels)
+    return ce + 1e-4 * logits.logsumexp(-1).pow(2).mean()
+
+
+#: tokens per sequence in the GRPO-style step
+GRPO_SEQUENCE = 256
+
+
+def grpo_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A GRPO-style policy step: per-token log-probs of the sampled ids, masked, averaged per
+    sequence and weighted by each sequence's advantage (the labels stand in for the ids)."""
+    logits = F.linear(hidden, weight).float()
+    mask = (labels != -100).float()
+    logp = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    counts = mask.view(-1, GRPO_SEQUENCE).sum(-1).clamp(min=1)
+    per_sequence = (logp * mask).view(-1, GRPO_SEQUENCE).sum(-1) / counts
+    advantages = torch.linspace(-1.0, 1.0, per_sequence.shape[0], device=hidden.device)
+    return -(advantages * per_sequence).mean()
+
+
+def entropy_bonus(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy minus an entropy bonus over the labelled tokens (softmax and log-softmax)."""
+    logits = F.linear(hidden, weight).float()
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    mask = (labels != -100).float()
+    return F.cross_entropy(logits, labels) - 0.01 * (entropy * mask).sum() / mask.sum()
+
+
+#: the loss forms the step and the benchmark measure, by name
+LOSS_FORMS = {"ce": lm_head_loss, "ce_zloss": z_loss, "grpo": grpo_log_probs, "entropy": entropy_bonus}
 
 
 def _rss_kib(field: str) -> int:
@@ -163,15 +199,16 @@ def run_step(config: StepConfig) -> dict:
     if config.ignore_every:
         labels[:: config.ignore_every] = -100
 
+    loss_fn = LOSS_FORMS[config.form]
     if config.impl == "eager":
-        fn = lm_head_loss
+        fn = loss_fn
     elif config.impl == "compiled":
-        fn = torch.compile(lm_head_loss, backend=config.inner)
+        fn = torch.compile(loss_fn, backend=config.inner)
     elif config.impl == "tile_pass":
         backend = tile_pass.backend(
             config.inner, tile_tokens=config.tile_tokens, tile_bytes=config.tile_bytes
         )
-        fn = torch.compile(lm_head_loss, backend=backend)
+        fn = torch.compile(loss_fn, backend=backend)
     else:
         raise ValueError(f"unknown impl {config.impl!r}")
 

@@ -53,7 +53,11 @@ class Step:
     source: str = "?"  # the user's line, for reports
 
     def describe(self) -> str:
-        name = self.target if isinstance(self.target, str) else getattr(self.target, "__name__", str(self.target))
+        name = (
+            self.target
+            if isinstance(self.target, str)
+            else getattr(self.target, "__name__", str(self.target))
+        )
         return f".{name}()" if self.op == "call_method" else name
 
 
@@ -112,7 +116,11 @@ def _resolve(arg, env: dict):
 def _autocast(state: tuple[str, torch.dtype] | None, device_type: str):
     """The autocast state a step ran under, or autocast off (tiles run outside it)."""
     if state is None:
-        return torch.autocast(device_type, enabled=False) if _autocast_known(device_type) else contextlib.nullcontext()
+        return (
+            torch.autocast(device_type, enabled=False)
+            if _autocast_known(device_type)
+            else contextlib.nullcontext()
+        )
     return torch.autocast(state[0], dtype=state[1])
 
 
@@ -176,7 +184,9 @@ def _canonical(obj) -> str:
     if isinstance(obj, (tuple, list)):
         return "(" + ",".join(_canonical(o) for o in obj) + ")"
     if callable(obj) and not isinstance(obj, torch.dtype):
-        return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', obj))}"
+        return (
+            f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', obj))}"
+        )
     if isinstance(obj, float):
         return obj.hex()
     return repr(obj)

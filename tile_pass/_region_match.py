@@ -183,7 +183,9 @@ class _ProgramPrefix(torch.nn.Module):
         rest = rest[1:] if self.has_bias else rest
         count = len(self.program.token_layouts)
         flat = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
-        outputs = _region.run_program(self.program, flat, weight, bias, list(rest[:count]), list(rest[count:]))
+        outputs = _region.run_program(
+            self.program, flat, weight, bias, list(rest[:count]), list(rest[count:])
+        )
         return _restore(outputs[self.output], hidden, self.flat_tokens)
 
 
@@ -219,13 +221,17 @@ class _Matcher:
         self.ambient = _ambient_autocast(self.device_type)
         self.hidden_tokens = tuple(hidden_val.shape[:-1])
         self.num_tokens = _numel(self.hidden_tokens)
-        dtypes = {hidden_val.dtype, weight_val.dtype} | ({val(self.bias).dtype} if self.bias is not None else set())
+        dtypes = {hidden_val.dtype, weight_val.dtype} | (
+            {val(self.bias).dtype} if self.bias is not None else set()
+        )
         self.autocast_dtype = None
         if dtypes != {out_val.dtype}:
             if out_val.dtype not in (torch.bfloat16, torch.float16):
                 raise NoMatch(f"the linear's output dtype {out_val.dtype} does not follow from its inputs")
             self.autocast_dtype = out_val.dtype
-        self.values: dict[torch.fx.Node, tuple[int, Layout]] = {projection: (0, Layout("rows", self.hidden_tokens))}
+        self.values: dict[torch.fx.Node, tuple[int, Layout]] = {
+            projection: (0, Layout("rows", self.hidden_tokens))
+        }
         self.steps: list[Step] = []
         self.nodes: list[torch.fx.Node] = []
         self.token_inputs: list[TokenInput] = []
@@ -307,7 +313,8 @@ class _Matcher:
 
     def step(self, node, target, args, kwargs=(), op="call_function") -> Step:
         contexts = self.autocast_states.get(node, ())
-        return Step(op, target, tuple(args), tuple(kwargs), _state_for(contexts, self.ambient, self.device_type),
+        state = _state_for(contexts, self.ambient, self.device_type)
+        return Step(op, target, tuple(args), tuple(kwargs), state,
                     source_line(node))  # fmt: skip
 
     def classify(self, node: torch.fx.Node) -> list[Classified]:
@@ -321,7 +328,9 @@ class _Matcher:
             if not isinstance(mutated, torch.fx.Node) or mutated not in self.values:
                 raise NoMatch(f"{describe(node)} writes into a tensor from outside the region")
             if len(mutated.users) != 1:
-                raise NoMatch(f"{describe(node)} changes the logits in place while other code also reads them")
+                raise NoMatch(
+                    f"{describe(node)} changes the logits in place while other code also reads them"
+                )
             return [self.elementwise(node, rule.out_of_place, out)]
         if kind == "elementwise":
             return [self.elementwise(node, node.target, out)]
@@ -423,7 +432,11 @@ class _Matcher:
         keepdim = bool(options["keepdim"])
         kwargs = (("dtype", options["dtype"]),) if options.get("dtype") is not None else ()
         inner = "tokens1" if keepdim else "tokens"
-        result = Layout("tuple", (inner, layout.tokens)) if name in ("max", "min") else Layout(inner, layout.tokens)
+        result = (
+            Layout("tuple", (inner, layout.tokens))
+            if name in ("max", "min")
+            else Layout(inner, layout.tokens)
+        )
         return [Classified(self.step(node, name, (source, -1, keepdim), kwargs, op="call_method"), result)]
 
     def gather(self, node, layout: Layout, out) -> Classified:
@@ -458,7 +471,9 @@ class _Matcher:
             log_target = options["log_target"]
             if not isinstance(log_target, bool):
                 raise NoMatch(f"{describe(node)} has a log_target that is not a constant")
-            step = self.step(node, F.kl_div, (source, target), (("reduction", "none"), ("log_target", log_target)))
+            step = self.step(
+                node, F.kl_div, (source, target), (("reduction", "none"), ("log_target", log_target))
+            )
             if reduction == "none":
                 return [Classified(step, layout)]
             how = {"sum": ("sum",), "mean": ("div_elements", self.vocab), "batchmean": ("div_first_dim",)}
@@ -472,7 +487,9 @@ class _Matcher:
         for name, kinds in (("ignore_index", int), ("label_smoothing", (int, float))):
             value = options.get(name, 0)
             if isinstance(value, bool) or not isinstance(value, kinds):
-                raise NoMatch(f"{describe(node)} has a {name} that is not a compile-time constant ({value!r})")
+                raise NoMatch(
+                    f"{describe(node)} has a {name} that is not a compile-time constant ({value!r})"
+                )
         target_node = options["target"]
         target_val = val(target_node)
         if target_val is None or self.layout_of(target_node) is not None:
@@ -514,7 +531,9 @@ class _Matcher:
                 continue
             self.depends.add(node)
             if any(a in self.depends and a not in self.values for a in node.all_input_nodes):
-                self.outside[node] = f"{describe(node)} reads a value computed from the logits outside the region"
+                self.outside[node] = (
+                    f"{describe(node)} reads a value computed from the logits outside the region"
+                )
                 continue
             try:  # a loss-like op reading the region's values: this projection is a head
                 self.head_signs |= node.target in _HEAD_SIGNS
@@ -561,13 +580,18 @@ class _Matcher:
                 blocking = [u for u in users if u.op != "output"]
                 if blocking:
                     user = blocking[0]
-                    detail = self.outside.get(user, "is not row-wise").removeprefix(describe(user)).strip(" ,:")
+                    detail = (
+                        self.outside.get(user, "is not row-wise").removeprefix(describe(user)).strip(" ,:")
+                    )
                     raise NoMatch(
-                        f"the logits ({describe(node)}) are also consumed by {describe(user)}, which {detail}; "
+                        f"the logits ({describe(node)}) are also consumed by {describe(user)}, "
+                        f"which {detail}; "
                         "so they must exist whole"
                     )
             value = val(node)
-            outputs.append(RegionOutput(node, index, layout, bool(value.requires_grad) and value.is_floating_point()))
+            outputs.append(
+                RegionOutput(node, index, layout, bool(value.requires_grad) and value.is_floating_point())
+            )
         if not any(o.layout.kind != "rows" for o in outputs):
             return None
         for out in outputs:
@@ -613,7 +637,11 @@ class _Matcher:
             if out.after_tiles is not None:
                 how, *operands = out.after_tiles
                 operands = [external(a) if isinstance(a, torch.fx.Node) else a for a in operands]
-                steps.append(self.step(out.node, _after_tiles, (Ref("output", k), how, hidden_input(), flat, *operands)))
+                steps.append(
+                    self.step(
+                        out.node, _after_tiles, (Ref("output", k), how, hidden_input(), flat, *operands)
+                    )
+                )
             else:
                 steps.append(self.step(out.node, _restore, (Ref("output", k), hidden_input(), flat)))
             env[out.node] = Ref("value", len(steps) - 1)
@@ -659,7 +687,11 @@ class _Matcher:
             if len(dependent) != 1:
                 raise NoMatch("a product of two outputs")
         elif name in ("truediv", "div"):
-            if len(dependent) != 1 or node.args[0] not in linear or node.kwargs.get("rounding_mode") is not None:
+            if (
+                len(dependent) != 1
+                or node.args[0] not in linear
+                or node.kwargs.get("rounding_mode") is not None
+            ):
                 raise NoMatch("not linear")
         elif name not in ("add", "sub", "radd", "rsub"):
             raise NoMatch("not linear")
@@ -705,7 +737,9 @@ def match_row_region(
         steps=tuple(matcher.steps),
         outputs=program_outputs,
         vocab_size=int(matcher.vocab),
-        token_layouts=tuple({(): "tokens", (1,): "tokens1"}.get(t.part, "rows") for t in matcher.token_inputs),
+        token_layouts=tuple(
+            {(): "tokens", (1,): "tokens1"}.get(t.part, "rows") for t in matcher.token_inputs
+        ),
         num_row_inputs=len(matcher.row_inputs),
         has_bias=matcher.bias is not None,
         index_checks=tuple(matcher.index_checks),
@@ -750,7 +784,9 @@ def _to_hoist(graph: torch.fx.Graph, nodes, point: torch.fx.Node, autocast_state
                 "the tiled region; compute it before the LM head"
             )
         if autocast_states.get(node, ()) != autocast_states.get(point, ()):
-            raise NoMatch(f"{describe(node)} is computed in another autocast context than the region's first reader")
+            raise NoMatch(
+                f"{describe(node)} is computed in another autocast context than the region's first reader"
+            )
         for arg in node.all_input_nodes:
             need(arg)
         moving.append(node)
@@ -794,7 +830,9 @@ def rewrite_row_region(
             graph.call_function(_per_token, (t.node, region.hidden, t.flat_tokens, len(t.part)))
             for t in region.token_inputs
         ]
-        row_nodes = [graph.call_method("reshape", (r.node, () if r.zero_dim else (-1,))) for r in region.row_inputs]
+        row_nodes = [
+            graph.call_method("reshape", (r.node, () if r.zero_dim else (-1,))) for r in region.row_inputs
+        ]
         call = graph.call_function(
             run_region,
             (hidden, weight, bias, token_nodes, row_nodes, list(region.reduce_inputs)),
@@ -806,7 +844,9 @@ def rewrite_row_region(
             flat = graph.call_function(operator.getitem, (call, k + offset))
             if out.after_tiles is not None:
                 how, *operands = out.after_tiles
-                value = graph.call_function(_after_tiles, (flat, how, region.hidden, out.flat_tokens, *operands))
+                value = graph.call_function(
+                    _after_tiles, (flat, how, region.hidden, out.flat_tokens, *operands)
+                )
             else:
                 value = graph.call_function(_restore, (flat, region.hidden, out.flat_tokens))
             restored[out.node] = value

@@ -74,9 +74,10 @@ class Classified:
     index_check: tuple | None = None  # (token operand position in step.args, message, ignore_index)
 
 
-_UNARY = ["tanh", "exp", "log", "neg", "abs", "sigmoid", "sqrt", "rsqrt", "square", "log1p", "expm1", "exp2",
-          "relu", "clamp", "clip", "nan_to_num", "logical_not", "isnan", "isfinite", "isinf", "sign", "reciprocal",
-          "detach", "softplus", "logsigmoid", "float", "double", "half", "bfloat16", "to", "type"]  # fmt: skip
+_UNARY = ["tanh", "exp", "log", "neg", "abs", "sigmoid", "sqrt", "rsqrt", "square", "log1p", "expm1",
+          "exp2", "relu", "clamp", "clip", "nan_to_num", "logical_not", "isnan", "isfinite", "isinf", "sign",
+          "reciprocal", "detach", "softplus", "logsigmoid", "float", "double", "half", "bfloat16", "to",
+          "type"]  # fmt: skip
 _BINARY = ["add", "sub", "mul", "div", "true_divide", "pow", "eq", "ne", "lt", "le", "gt", "ge", "maximum",
            "minimum", "logical_and", "logical_or", "where", "masked_fill", "xlogy", "rsub"]  # fmt: skip
 _REDUCTIONS = ["sum", "mean", "logsumexp", "amax", "amin", "argmax", "argmin", "max", "min"]
@@ -98,8 +99,8 @@ for _name, _target in (("iadd", operator.add), ("isub", operator.sub), ("imul", 
     RULES[getattr(operator, _name)] = Rule("inplace", _target)
 for _name in ("add", "sub", "mul", "div", "clamp", "tanh", "exp", "neg", "masked_fill", "pow", "clip"):
     RULES[f"{_name}_"] = Rule("inplace", _name)
-for _name in ("view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze", torch.reshape, torch.flatten,
-              torch.squeeze, torch.unsqueeze):  # fmt: skip
+for _name in ("view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze", torch.reshape,
+              torch.flatten, torch.squeeze, torch.unsqueeze):  # fmt: skip
     RULES[_name] = Rule("view")
 for _name in _REDUCTIONS:
     RULES[_name] = Rule("vocab_reduction")

@@ -489,7 +489,9 @@ def _compile_middle(split: torch.fx.GraphModule, key, logits_name: str) -> None:
         if not isinstance(val, torch.Tensor):
             raise RuntimeError("tile_pass: the tile graph lost its shape metadata")
         # the strides it will be called with (an expanded token weight is not contiguous)
-        example.append(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=key.device).zero_())
+        example.append(
+            torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=key.device).zero_()
+        )
     with torch.no_grad():
         split.submod_1 = _Compiled(compile_fx(middle, example), overwritten)
 
@@ -820,7 +822,9 @@ def finish_tile_graph(gm: torch.fx.GraphModule, key, between=None) -> torch.fx.G
     return gm
 
 
-def trace_fake(fn, inputs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> torch.fx.GraphModule:
+def trace_fake(
+    fn, inputs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device
+) -> torch.fx.GraphModule:
     """``fn`` traced by ``make_fx`` on zero-filled fake inputs of these shapes and dtypes."""
     with FakeTensorMode(allow_non_fake_inputs=False):
         examples = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in inputs]

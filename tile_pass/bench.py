@@ -43,10 +43,10 @@ import torch
 import torch.nn.functional as F
 
 from tile_pass._measure import (
+    LOSS_FORMS,
     MiB,
     StepConfig,
     allocator_steady_state,
-    lm_head_loss,
     measure_steps,
     run_fresh,
     training_step,
@@ -57,6 +57,8 @@ from tile_pass._tile_kernel import _onednn_mm, onednn_gemms_apply
 IMPLS = ("eager", "inductor", "autochunker", "torch_chunked", "cce", "tile_pass", "liger", "cce_kernel")
 FLOOR = "gemm_floor"
 IGNORE_INDEX = -100
+#: the implementations that run the user's own loss code, so every form of LOSS_FORMS
+_ANY_FORM = ("eager", "inductor", "autochunker", "tile_pass")
 
 #: (implementation, logits-sized buffers alive at the peak): a coarse model used only to
 #: skip a child that would not fit in the memory available. Eager keeps the logits, their
@@ -119,21 +121,24 @@ def _instrument_autochunker(events: list[str]) -> None:
 def _build(cfg: BenchConfig, info: dict[str, Any]) -> Callable:
     """The loss function of ``cfg.impl``; ``info`` collects what the child should report."""
     dynamic = True if cfg.dynamic_lengths else None
+    loss_fn = LOSS_FORMS[cfg.form]
+    if cfg.form != "ce" and cfg.impl not in _ANY_FORM:
+        raise ValueError(f"{cfg.impl} computes cross entropy only, not the {cfg.form!r} form")
     if cfg.impl == "eager":
-        return lm_head_loss
+        return loss_fn
     if cfg.impl == "inductor":
-        return torch.compile(lm_head_loss, backend="inductor", dynamic=dynamic)
+        return torch.compile(loss_fn, backend="inductor", dynamic=dynamic)
     if cfg.impl == "autochunker":
         events: list[str] = []
         info["autochunker_events"] = events
         _instrument_autochunker(events)
-        return torch.compile(lm_head_loss, backend="inductor", dynamic=dynamic)
+        return torch.compile(loss_fn, backend="inductor", dynamic=dynamic)
     if cfg.impl == "tile_pass":
         import tile_pass
 
         backend = tile_pass.backend("inductor", tile_tokens=cfg.tile_tokens, tile_bytes=cfg.tile_bytes)
         info["backend"] = backend
-        return torch.compile(lm_head_loss, backend=backend, dynamic=dynamic)
+        return torch.compile(loss_fn, backend=backend, dynamic=dynamic)
     if cfg.impl == "torch_chunked":
         from torch.nn import LinearCrossEntropyOptions
 
@@ -168,9 +173,15 @@ def _build(cfg: BenchConfig, info: dict[str, Any]) -> Callable:
 
 
 def float64_reference(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_bytes: int = 256 * MiB
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_bytes: int = 256 * MiB,
+    form: str = "ce",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eager float64 loss, d loss/d hidden and d loss/d weight (mean over valid tokens).
+
+    A form other than ``"ce"`` is the form's own code run once in float64 (unchunked).
 
     Chunked over tokens so the oracle fits next to a large-vocab step: each chunk is plain
     ``F.cross_entropy(F.linear(...))`` in float64 with autograd; only summation order differs
@@ -178,6 +189,10 @@ def float64_reference(
     """
     h64 = hidden.detach().double()
     w64 = weight.detach().double().requires_grad_()
+    if form != "ce":
+        h64.requires_grad_()
+        loss = LOSS_FORMS[form](h64, w64, labels)
+        return (loss.detach(), *torch.autograd.grad(loss, (h64, w64)))
     count = (labels != IGNORE_INDEX).sum().double()
     rows = max(1, chunk_bytes // (8 * weight.shape[0] * 2))
     loss = torch.zeros((), dtype=torch.float64, device=hidden.device)
@@ -361,7 +376,7 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.check:
         grads = (hidden.grad, weight.grad)
         del loss
-        ref_loss, ref_h, ref_w = float64_reference(hidden, weight, labels)
+        ref_loss, ref_h, ref_w = float64_reference(hidden, weight, labels, form=cfg.form)
         out["err_loss"] = abs(out["loss"] - float(ref_loss)) / abs(float(ref_loss))
         out["err_dh"] = relative_error(grads[0], ref_h)
         out["err_dw"] = relative_error(grads[1], ref_w)
@@ -443,7 +458,7 @@ def default_impls(device: str) -> list[str]:
 
 
 def _shape_key(row: dict[str, Any]) -> tuple:
-    return (row["tokens"], row["hidden"], row["vocab"], row["dtype"], row["device"])
+    return (row["tokens"], row["hidden"], row["vocab"], row["dtype"], row["device"], row.get("form", "ce"))
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -451,7 +466,11 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         same = [r for r in rows if _shape_key(r) == _shape_key(row) and "error" not in r]
         base = next((r for r in same if r["impl"] == "inductor"), None)
-        floor = next((r for r in same if r["impl"] == FLOOR), None)
+        # the GEMMs, and the plain cross entropy, are the same for every form of a shape
+        same_shape = [r for r in rows if _shape_key(r)[:-1] == _shape_key(row)[:-1] and "error" not in r]
+        floor = next((r for r in same_shape if r["impl"] == FLOOR), None)
+        plain_ce = next((r for r in same_shape if r["impl"] == row["impl"] and r.get("form", "ce") == "ce"
+                         and not r.get("swept")), None)  # fmt: skip
         if "error" in row:
             continue
         if base is not None:
@@ -466,6 +485,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row["compile_x_inductor"] = row["compile_s"] / base["compile_s"]
         if floor is not None:
             row["time_x_floor"] = row["median_s"] / floor["median_s"]
+        if plain_ce is not None and row.get("form", "ce") != "ce":
+            row["time_x_ce"] = row["median_s"] / plain_ce["median_s"]
     return rows
 
 
@@ -482,6 +503,7 @@ def run_benchmark(
     warm_cache: bool = False,
     ignore_every: int = 7,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    forms: Sequence[str] = ("ce",),
 ) -> list[dict[str, Any]]:
     """Measure every implementation at every ``(tokens, hidden, vocab, dtype)``, one child each.
 
@@ -494,12 +516,17 @@ def run_benchmark(
             tokens=tokens, hidden=hidden, vocab=vocab, dtype=dtype, device=device, ignore_every=ignore_every
         )
         configs = [BenchConfig(impl=FLOOR, repeats=repeats, check=False, **shape)] if floor else []
-        for impl in impls:
-            tiles = tile_tokens if impl == "tile_pass" else (None,)
-            for tile in tiles:
-                configs.append(
-                    BenchConfig(impl=impl, tile_tokens=tile, repeats=repeats, check=check, **shape)
-                )
+        for form in forms:
+            for impl in impls:
+                if form != "ce" and impl not in _ANY_FORM:
+                    continue
+                tiles = tile_tokens if impl == "tile_pass" else (None,)
+                for tile in tiles:
+                    configs.append(
+                        BenchConfig(
+                            impl=impl, tile_tokens=tile, repeats=repeats, check=check, form=form, **shape
+                        )
+                    )
         for cfg in configs:
             row = measure_fresh(cfg, timeout=timeout, warm_cache=warm_cache)
             row["swept"] = cfg.impl == "tile_pass" and cfg.tile_tokens is not None
@@ -552,6 +579,7 @@ def run_dynamic(
 
 COLUMNS = (
     ("impl", "impl", "{}"),
+    ("form", "form", "{}"),
     ("tokens", "N", "{}"),
     ("hidden", "H", "{}"),
     ("vocab", "V", "{}"),
@@ -571,6 +599,7 @@ COLUMNS = (
     ("glibc_x_inductor", "glibc/ind", "{:.2f}"),
     ("compile_x_inductor", "compile/ind", "{:.2f}"),
     ("time_x_floor", "time/floor", "{:.2f}"),
+    ("time_x_ce", "time/ce", "{:.2f}"),
     ("note", "note", "{}"),
 )
 
@@ -666,6 +695,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--hidden", type=_ints, default=[1024])
     p.add_argument("--vocab", type=_ints, default=[32000])
     p.add_argument("--dtype", default="float32", help="comma-separated: float32,bfloat16,float16")
+    p.add_argument("--form", default="ce", help=f"comma-separated loss forms: {','.join(LOSS_FORMS)}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=3, help="steady steps per measurement (median)")
     p.add_argument("--ignore-every", type=int, default=7, help="every k-th label is ignored (0: none)")
@@ -690,12 +720,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         if impl not in IMPLS:
             raise SystemExit(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
     dtypes = args.dtype.split(",")
+    forms = args.form.split(",")
+    for form in forms:
+        if form not in LOSS_FORMS:
+            raise SystemExit(f"unknown form {form!r}; choose from {', '.join(LOSS_FORMS)}")
     result: dict[str, Any] = {"machine": machine_info(), "argv": list(sys.argv[1:] if argv is None else argv)}
 
     def progress(row: dict[str, Any]) -> None:
         if not args.quiet:
             what = row.get("error") or f"{row.get('median_s', 0):.3f} s, {row.get('peak_mib') or 0:.0f} MiB"
-            print(f"  {row['impl']:<13} N={row['tokens']} H={row['hidden']} V={row['vocab']} "
+            print(f"  {row['impl']:<13} {row.get('form', 'ce'):<8} N={row['tokens']} H={row['hidden']} "
+                  f"V={row['vocab']} "
                   f"{row['dtype']}: {what}", file=sys.stderr, flush=True)  # fmt: skip
 
     if args.dynamic:
@@ -724,7 +759,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows = run_benchmark(
             shapes, impls, device=args.device, repeats=args.repeats, check=not args.no_check,
             floor=not args.no_floor, tile_tokens=tiles, timeout=args.timeout,
-            warm_cache=args.warm_cache, ignore_every=args.ignore_every, progress=progress,
+            warm_cache=args.warm_cache, ignore_every=args.ignore_every, progress=progress, forms=forms,
         )  # fmt: skip
         result["rows"] = rows
         print(format_table(rows, markdown=args.markdown))

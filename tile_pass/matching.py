@@ -719,7 +719,13 @@ def rewrite_graph(
 
 
 def _rewrite_row_regions(
-    gm, result: GraphRewrite, skipped_losses: dict, tile_tokens, tile_bytes, drop_logits, compile_tiles,
+    gm,
+    result: GraphRewrite,
+    skipped_losses: dict,
+    tile_tokens,
+    tile_bytes,
+    drop_logits,
+    compile_tiles,
     run_compiled_tiles,
 ) -> None:
     """The general regions (see ``_region_match``): every projection the cross-entropy chain
@@ -767,9 +773,7 @@ def _rewrite_row_regions(
         tile_now = effective_tile(tokens_hint, tile)
         itemsize = torch.empty((), dtype=dtype).element_size()
         kept = sum(_val(o.node).numel() * itemsize for o in region.outputs if o.layout.kind == "rows")
-        outputs = ", ".join(
-            f"{_region_match.describe_output(o)}" for o in region.outputs
-        )
+        outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
         report.rewrites.append(
             Rewrite(
                 graph=report.index,
@@ -781,7 +785,8 @@ def _rewrite_row_regions(
                 vocab_size=_plain(vocab),
                 dtype=str(dtype).replace("torch.", ""),
                 reduction=(
-                    "one scalar loss (its gradient formed in forward)" if region.program.reduction is not None
+                    "one scalar loss (its gradient formed in forward)"
+                    if region.program.reduction is not None
                     else "per-token outputs (gradient re-derived in backward)"
                 ),
                 tile_tokens=tile_now,

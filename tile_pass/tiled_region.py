@@ -204,18 +204,9 @@ def _run_tiles(
         size = tile if rows == tile else effective_tile(rows, tile)
         kernel = _program_kernel(key if size == key.tile else dataclasses.replace(key, tile=size))
 
-        def cut(t, fill_zero=False):
-            t = t[start:stop]
-            if rows == size:
-                return t
-            # padding rows repeat a real row (finite wherever the data is) with a zero tangent,
-            # so they add exactly nothing to any gradient sum
-            pad = t.new_zeros((size - rows, *t.shape[1:])) if fill_zero else t[:1].expand(size - rows, *t.shape[1:])
-            return torch.cat([t, pad])
-
-        args = [cut(hidden), weight] + ([bias] if bias is not None else [])
-        args += [cut(t) for t in token_inputs] + list(row_inputs)
-        args += [cut(tangents[i], fill_zero=True) for i in key.tangents]
+        args = [_tile_of(hidden, start, stop, size), weight] + ([bias] if bias is not None else [])
+        args += [_tile_of(t, start, stop, size) for t in token_inputs] + list(row_inputs)
+        args += [_tile_of(tangents[i], start, stop, size, zeros=True) for i in key.tangents]
         args += [a for a in (weight_acc, bias_acc) if a is not None]
         result = list(kernel(*args))
         if outputs is not None:
@@ -224,6 +215,18 @@ def _run_tiles(
         if need_hidden:
             grad_hidden[start:stop] = result[len(program.outputs)][:rows]
     return outputs, grad_hidden, weight_acc, bias_acc
+
+
+def _tile_of(t: torch.Tensor, start: int, stop: int, size: int, zeros: bool = False) -> torch.Tensor:
+    """Rows ``start:stop`` of ``t``, padded to ``size`` rows. Padding rows repeat a real row
+    (finite wherever the data is) and get a zero tangent (``zeros``), so they add exactly
+    nothing to any gradient sum."""
+    t = t[start:stop]
+    if t.shape[0] == size:
+        return t
+    missing = size - t.shape[0]
+    pad = t.new_zeros((missing, *t.shape[1:])) if zeros else t[:1].expand(missing, *t.shape[1:])
+    return torch.cat([t, pad])
 
 
 def _grads_or_empty(hidden, weight, bias, grad_h, grad_w, grad_b) -> list[torch.Tensor]:
@@ -277,7 +280,9 @@ def _reduction_gradient(key: str, shapes: tuple, reduce_shapes: tuple, device: t
                 outputs[i] = outputs[i].detach().requires_grad_()
             loss = _region.run_reduction(reduction, outputs, reduce_inputs, device.type)
             grads = torch.autograd.grad(loss, [outputs[i] for i in diff], allow_unused=True)
-        return tuple(torch.zeros_like(outputs[i]) if g is None else g for i, g in zip(diff, grads, strict=True))
+        return tuple(
+            torch.zeros_like(outputs[i]) if g is None else g for i, g in zip(diff, grads, strict=True)
+        )
 
     return traced_once(("reduction", key, shapes, reduce_shapes, device), lambda _: trace_fake(
         gradient, list(shapes) + list(reduce_shapes), device
@@ -435,12 +440,8 @@ def _region_vjp(ctx, grads):
     need = ctx.needs_input_grad[:3]
     need = (need[0], need[1], need[2] and bias is not None)
     region = _region.lookup(ctx.options["program"])
-    tangents = [
-        grads[i] if grads[i] is not None else hidden.new_zeros(
-            (hidden.shape[0], *_row_part(region.outputs[i].layout, region.vocab_size)), dtype=region.outputs[i].dtype
-        )
-        for i in ctx.diff
-    ]  # fmt: skip
+    zeros = _fake_outputs(region, hidden)  # shapes and dtypes of the outputs, for unused ones
+    tangents = [grads[i] if grads[i] is not None else zeros[i].zero_() for i in ctx.diff]
     grad_h, grad_w, grad_b = _row_region_backward(
         tangents, hidden, weight, bias, list(token_inputs), list(row_inputs), **ctx.options,
         need_hidden=need[0], need_weight=need[1], need_bias=need[2],
@@ -484,4 +485,3 @@ def run_region(
         need_bias=grad_on and bias is not None and bias.requires_grad,
     )  # fmt: skip
     return [loss, *outputs]
-
