@@ -170,6 +170,24 @@ def run_reduction(reduction: ReductionProgram, outputs, reduce_inputs, device_ty
     return env[Ref("value", reduction.result)]
 
 
+def dispatch_as_caller():
+    """Autograd and autocast as the caller has them, inside a custom op's implementation
+    (which runs with both excluded): for the reduction program, which is small, is run eagerly
+    on whole per-token tensors, and is differentiated there once per call."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _CALLER_KEYS:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+_CALLER_KEYS = (
+    torch._C.DispatchKey.AutogradFunctionality,
+    torch._C.DispatchKey.ADInplaceOrView,
+    torch._C.DispatchKey.AutocastCPU,
+    torch._C.DispatchKey.AutocastCUDA,
+)
+
+
 # ------------------------------------------------------------------------------ registry
 
 _programs: dict[str, RowProgram] = {}

@@ -266,27 +266,22 @@ def _refuse_double_backward() -> None:
 # ------------------------------------------------------------------------- scalar loss
 
 
-def _reduction_gradient(key: str, shapes: tuple, reduce_shapes: tuple, device: torch.device):
-    """The derived gradient of the region's scalar loss with respect to its differentiable
-    outputs: a traced ``autograd.grad`` of the reduction program, which is linear in them."""
-    program = _region.lookup(key)
-    reduction = program.reduction
+def _reduction_gradient(
+    program: RowProgram, outputs: list[torch.Tensor], reduce_inputs
+) -> list[torch.Tensor]:
+    """The gradient of the region's scalar loss with respect to each differentiable output,
+    derived by ``torch.autograd.grad`` of the reduction program; it is linear in the outputs,
+    so this is the same at any value of them (they are given as zeros)."""
     diff = [i for i, out in enumerate(program.outputs) if out.differentiable]
-
-    def gradient(*args):
-        outputs, reduce_inputs = list(args[: len(shapes)]), list(args[len(shapes) :])
-        with torch.enable_grad():
-            for i in diff:
-                outputs[i] = outputs[i].detach().requires_grad_()
-            loss = _region.run_reduction(reduction, outputs, reduce_inputs, device.type)
-            grads = torch.autograd.grad(loss, [outputs[i] for i in diff], allow_unused=True)
-        return tuple(
-            torch.zeros_like(outputs[i]) if g is None else g for i, g in zip(diff, grads, strict=True)
-        )
-
-    return traced_once(("reduction", key, shapes, reduce_shapes, device), lambda _: trace_fake(
-        gradient, list(shapes) + list(reduce_shapes), device
-    ))  # fmt: skip
+    with _region.dispatch_as_caller(), torch.enable_grad():
+        outputs = list(outputs)
+        for i in diff:
+            outputs[i] = outputs[i].detach().requires_grad_()
+        loss = _region.run_reduction(program.reduction, outputs, reduce_inputs, outputs[0].device.type)
+        grads = torch.autograd.grad(loss, [outputs[i] for i in diff], allow_unused=True)
+    return [
+        torch.zeros_like(outputs[i]) if g is None else g.detach() for i, g in zip(diff, grads, strict=True)
+    ]
 
 
 @torch.library.custom_op("tile_pass::row_region_loss", mutates_args=())
@@ -309,19 +304,15 @@ def _row_region_loss(
     unit upstream gradient (empty where not needed), the outputs flat over the tokens."""
     region = _region.lookup(program)
     _check_indices(region, token_inputs)
-    n = hidden.shape[0]
-    shapes = tuple(((n, *_row_part(o.layout, region.vocab_size)), o.dtype) for o in region.outputs)
-    reduce_shapes = tuple((tuple(t.shape), t.dtype) for t in reduce_inputs)
-    with _region._autocast(None, hidden.device.type):
-        # the token weights: d loss / d output, independent of the outputs (linear reduction)
-        zeros = [hidden.new_zeros(shape, dtype=dtype) for shape, dtype in shapes]
-        diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
-        weights = _reduction_gradient(program, shapes, reduce_shapes, hidden.device)(*zeros, *reduce_inputs)
-        need = (need_hidden, need_weight, need_bias)
-        outputs, *grads = _run_tiles(
-            region, hidden, weight, bias, token_inputs, row_inputs, dict(zip(diff, weights, strict=True)),
-            tile_tokens, compile_tiles, need,
-        )  # fmt: skip
+    # the token weights: d loss / d output, independent of the outputs (a linear reduction)
+    zeros = [out.zero_() for out in _fake_outputs(region, hidden)]
+    weights = _reduction_gradient(region, zeros, reduce_inputs)
+    diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
+    outputs, *grads = _run_tiles(
+        region, hidden, weight, bias, token_inputs, row_inputs, dict(zip(diff, weights, strict=True)),
+        tile_tokens, compile_tiles, (need_hidden, need_weight, need_bias),
+    )  # fmt: skip
+    with _region.dispatch_as_caller():
         loss = _region.run_reduction(region.reduction, outputs, reduce_inputs, hidden.device.type)
     return [loss, *_grads_or_empty(hidden, weight, bias, *grads), *outputs]
 
@@ -374,11 +365,10 @@ def _row_region(
     """The outputs, flat over the tokens; nothing is differentiated in forward."""
     region = _region.lookup(program)
     _check_indices(region, token_inputs)
-    with _region._autocast(None, hidden.device.type):
-        outputs, *_ = _run_tiles(
-            region, hidden, weight, bias, token_inputs, row_inputs, {}, tile_tokens, compile_tiles,
-            (False, False, False),
-        )  # fmt: skip
+    outputs, *_ = _run_tiles(
+        region, hidden, weight, bias, token_inputs, row_inputs, {}, tile_tokens, compile_tiles,
+        (False, False, False),
+    )  # fmt: skip
     return outputs
 
 
@@ -406,11 +396,10 @@ def _row_region_backward(
     """The vector-Jacobian product for the differentiable outputs' ``tangents`` (in order)."""
     region = _region.lookup(program)
     diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
-    with _region._autocast(None, hidden.device.type):
-        _, *grads = _run_tiles(
-            region, hidden, weight, bias, token_inputs, row_inputs, dict(zip(diff, tangents, strict=True)),
-            tile_tokens, compile_tiles, (need_hidden, need_weight, need_bias), keep_outputs=False,
-        )  # fmt: skip
+    _, *grads = _run_tiles(
+        region, hidden, weight, bias, token_inputs, row_inputs, dict(zip(diff, tangents, strict=True)),
+        tile_tokens, compile_tiles, (need_hidden, need_weight, need_bias), keep_outputs=False,
+    )  # fmt: skip
     return _grads_or_empty(hidden, weight, bias, *grads)
 
 
