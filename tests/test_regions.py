@@ -262,3 +262,36 @@ def test_inductor_with_compiled_tiles(fn):
     ref_outs, ref_grads = _oracle(fn, args)
     for out, ref in zip([*outs, *grads], [*ref_outs, *ref_grads], strict=True):
         assert_close_to_oracle(out, ref, torch.float32, fn.__name__)
+
+
+def test_drop_logits_returns_a_placeholder_for_returned_rows():
+    args = _inputs("cpu")
+    backend = tile_pass.backend("aot_eager", tile_tokens=TILE, drop_logits=True)
+    loss, logits = torch.compile(bias_in_place_returned, backend=backend)(*_trainable(args))
+    assert "dropped" in backend.report().rewrites[0].returned_logits
+    assert logits.shape == (B, T, V) and logits.dtype == torch.float32 and torch.isnan(logits).all()
+    (ref, _), _ = _oracle(bias_in_place_returned, args)
+    assert_close_to_oracle(loss, ref, torch.float32, "loss")
+
+
+def test_two_heads_in_one_graph_and_dynamic_lengths():
+    def policy_and_reference(h, w, ref_h, ids, mask):  # a reference model's head under no_grad
+        logp = torch.gather(F.linear(h, w), -1, ids.unsqueeze(-1)).squeeze(-1) - F.linear(h, w).logsumexp(-1)
+        with torch.no_grad():
+            ref_logits = F.linear(ref_h, w)
+            ref_logp = ref_logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        return ((logp - ref_logp) * mask).sum() / mask.sum()
+
+    backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
+    compiled = torch.compile(policy_and_reference, backend=backend, dynamic=True)
+    for length in (T, T + 6):
+        h, w, _, ids, mask, *_ = _inputs("cpu")
+        h = torch.cat([h, h[:, : length - T]], 1)
+        ids, mask = torch.cat([ids, ids[:, : length - T]], 1), torch.cat([mask, mask[:, : length - T]], 1)
+        args = (h, w, h.flip(1).contiguous(), ids, mask)
+        (out,), grads = _run(compiled, args)
+        (ref,), ref_grads = _oracle(policy_and_reference, args)
+        assert_close_to_oracle(out, ref, torch.float32, "loss")
+        for grad, ref_grad in zip(grads, ref_grads, strict=True):
+            assert_close_to_oracle(grad, ref_grad, torch.float32, "grad")
+    assert sum(len(g.rewrites) for g in backend.report().graphs) >= 2  # both heads, in each graph

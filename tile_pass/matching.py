@@ -745,7 +745,7 @@ def _rewrite_row_regions(
             vocab = region.program.vocab_size
             tile = choose_tile_tokens(
                 vocab, dtype, dtype != torch.float32, tile_tokens=tile_tokens, tile_bytes=tile_bytes,
-                device=_val(node).device,
+                device=_val(node).device, fused=compile_tiles,
             )  # fmt: skip
             if tile_tokens is None:
                 tile = auto_tile(tile)
