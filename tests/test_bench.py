@@ -122,3 +122,17 @@ def test_memory_guard_bounds_every_recorded_peak():
             assert bench.estimated_peak_bytes(cfg) > row["peak_mib"] * 2**20, (path.name, row["impl"])
             checked += 1
     assert checked >= 20
+
+
+def test_loss_forms_are_measured_beside_the_plain_cross_entropy():
+    rows = bench.run_benchmark(
+        [SHAPE], ("tile_pass", "torch_chunked"), repeats=1, warm_cache=True, timeout=300, floor=False,
+        forms=("ce", "grpo"),
+    )  # fmt: skip
+    by_form = {(r["impl"], r["form"]): r for r in rows}
+    assert ("torch_chunked", "grpo") not in by_form  # it computes cross entropy only
+    grpo = by_form[("tile_pass", "grpo")]
+    assert "error" not in grpo, grpo
+    assert grpo["fired"] and grpo["err_loss"] < 1e-4 and grpo["err_dw"] < 1e-4, grpo
+    assert grpo["time_x_ce"] == pytest.approx(grpo["median_s"] / by_form[("tile_pass", "ce")]["median_s"])
+    assert "grpo" in bench.format_table(rows)
