@@ -887,8 +887,8 @@ def rewrite_row_region(
                     )
                     extras += prefix_inputs
             handled = (
-                "returned exactly, written by the tiles (no extra GEMM): kept in the model dtype, and its "
-                "gradient is computed only if the caller uses it"
+                "returned exactly, written by the tiles (no extra GEMM) in the dtype the graph returns, and "
+                "its gradient is computed only if the caller uses it"
             )
         output.args = ((*outputs, *extras),)
     for node in sorted(members, key=order.__getitem__, reverse=True):

@@ -583,6 +583,11 @@ def linear_cross_entropy(
     Works in eager code and inside ``torch.compile`` (no graph break, no host sync).
     """
     hidden = input
+    if _is_dtensor(linear_weight):
+        return _vocab_parallel(
+            hidden, linear_weight, target, bias if linear_bias is None else linear_bias, weight, reduction,
+            ignore_index, label_smoothing, tile_tokens, tile_bytes, upcast, logit_scale, softcap, compile_tiles,
+        )  # fmt: skip
     if bias is not None and linear_bias is not None:
         raise TypeError("pass the projection's bias once: as linear_bias= (torch's name) or positionally")
     bias = linear_bias if linear_bias is not None else bias
@@ -677,3 +682,43 @@ def linear_cross_entropy(
         compile_tiles=compile_tiles,
     )  # fmt: skip
     return loss.view(target_shape) if reduction == "none" else loss
+
+
+def _is_dtensor(tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def _vocab_parallel(
+    hidden, linear_weight, target, bias, class_weight, reduction, ignore_index, label_smoothing, tile_tokens,
+    tile_bytes, upcast, logit_scale, softcap, compile_tiles,
+) -> torch.Tensor:  # fmt: skip
+    """A vocabulary-sharded head (see :mod:`tile_pass.vocab_parallel`)."""
+    from tile_pass.vocab_parallel import vocab_parallel_cross_entropy
+
+    unsupported = {"linear_bias": bias, "weight (class weights)": class_weight, "logit_scale": logit_scale,
+                   "softcap": softcap}  # fmt: skip
+    given = [name for name, value in unsupported.items() if value is not None]
+    if given or target.is_floating_point():
+        what = ", ".join(given) or "class-probability targets"
+        raise NotImplementedError(f"tile_pass: a vocabulary-sharded head does not take {what} yet")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    vocab_size, hidden_size = linear_weight.shape
+    if hidden.shape[-1] != hidden_size:
+        raise ValueError(f"input's last dimension must equal linear_weight.shape[1] = {hidden_size}")
+    upcast = bool(upcast) and hidden.dtype in (torch.float16, torch.bfloat16)
+    local_vocab = linear_weight.to_local().shape[0]
+    tile = choose_tile_tokens(
+        max(local_vocab, 1), hidden.dtype, upcast, tile_tokens=tile_tokens, tile_bytes=tile_bytes,
+        device=hidden.device, fused=compile_tiles,
+    )  # fmt: skip
+    return vocab_parallel_cross_entropy(
+        _flatten_tokens(hidden), linear_weight, target.reshape(-1), reduction=reduction,
+        ignore_index=-100 if ignore_index is None else int(ignore_index), label_smoothing=label_smoothing,
+        upcast=upcast, tile_tokens=tile if tile_tokens is not None else auto_tile(tile),
+        compile_tiles=compile_tiles,
+    )  # fmt: skip

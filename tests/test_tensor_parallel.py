@@ -1,0 +1,110 @@
+"""A vocabulary-sharded LM head (DTensor ``Shard(0)``) on two gloo ranks: the tiled loss and its
+derived gradients equal single-process float64 eager on the whole head."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from test_distributed import WORLD, _free_port, spawn
+
+import tile_pass
+
+V, H, N = 501, 24, 37  # an uneven vocabulary: 251 + 250 rows
+TILE = 8  # 5 tiles, the first fully masked
+CASES = [
+    dict(reduction="mean", label_smoothing=0.0, dtype=torch.float32),
+    dict(reduction="sum", label_smoothing=0.1, dtype=torch.float32),
+    dict(reduction="mean", label_smoothing=0.0, dtype=torch.bfloat16),
+]
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(N, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.3
+    target = torch.randint(0, V, (N,), generator=g)
+    target[:TILE] = -100
+    target[20:23] = -100
+    target[30] = V - 1  # the last row of the last shard
+    return hidden, weight, target
+
+
+def _worker(rank, port, outdir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        results = []
+        for case in CASES:
+            hidden, weight, target = _data()
+            dtype = case["dtype"]
+            w = torch.nn.Parameter(distribute_tensor(weight.to(dtype), mesh, [Shard(0)]))
+            h = hidden.to(dtype).requires_grad_()
+            loss = tile_pass.linear_cross_entropy(
+                h, w, target, reduction=case["reduction"], label_smoothing=case["label_smoothing"],
+                tile_tokens=TILE,
+            )  # fmt: skip
+            loss.backward()
+            results.append(dict(loss=loss.detach(), grad_hidden=h.grad, grad_weight=w.grad.full_tensor(),
+                                local_rows=w.to_local().shape[0]))  # fmt: skip
+        # a replicated DTensor input, and the weight's shard in the report of errors
+        h = distribute_tensor(_data()[0], mesh, [Replicate()]).requires_grad_()
+        w = torch.nn.Parameter(distribute_tensor(_data()[1], mesh, [Shard(0)]))
+        tile_pass.linear_cross_entropy(h, w, _data()[2], tile_tokens=TILE).backward()
+        results.append(dict(grad_hidden=h.grad.full_tensor(), grad_weight=w.grad.full_tensor()))
+        with pytest.raises(NotImplementedError, match="Shard\\(0\\)"):
+            tile_pass.linear_cross_entropy(_data()[0], distribute_tensor(_data()[1], mesh, [Replicate()]),
+                                           _data()[2])  # fmt: skip
+        torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _reference(case):
+    hidden, weight, target = _data()
+    h, w = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    loss = F.cross_entropy(F.linear(h, w), target, reduction=case["reduction"],
+                           label_smoothing=case["label_smoothing"])  # fmt: skip
+    return loss.detach(), *torch.autograd.grad(loss, (h, w))
+
+
+def _eager_same_dtype(case):
+    hidden, weight, target = _data()
+    h, w = hidden.to(case["dtype"]).requires_grad_(), weight.to(case["dtype"]).requires_grad_()
+    loss = F.cross_entropy(F.linear(h, w).float(), target, reduction=case["reduction"],
+                           label_smoothing=case["label_smoothing"])  # fmt: skip
+    return loss.detach(), *torch.autograd.grad(loss, (h, w))
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_vocab_sharded_head_equals_eager_on_the_whole_head(tmp_path):
+    spawn(_worker, (_free_port(), str(tmp_path)))
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    assert [results[r][0]["local_rows"] for r in range(WORLD)] == [251, 250]
+    for i, case in enumerate(CASES):
+        ref = _reference(case)
+        for rank in range(WORLD):
+            got = results[rank][i]
+            for name, value, want in zip(("loss", "grad_hidden", "grad_weight"),
+                                         (got["loss"], got["grad_hidden"], got["grad_weight"]), ref):  # fmt: skip
+                assert value.dtype == (torch.float32 if name == "loss" else case["dtype"])
+                if case["dtype"] == torch.float32:
+                    scale = want.abs().max().item()
+                    torch.testing.assert_close(value.double(), want, rtol=2e-5, atol=2e-6 * scale,
+                                               msg=lambda m, n=name, r=rank: f"{case} rank {r} {n}: {m}")  # fmt: skip
+                else:  # bf16: no worse than eager bf16 against float64 (twice its error, at most)
+                    eager = dict(zip(("loss", "grad_hidden", "grad_weight"), _eager_same_dtype(case)))[name]
+                    err, err_eager = (value.double() - want).abs().max(), (eager.double() - want).abs().max()
+                    assert err <= 2 * err_eager + 1e-6, (case, rank, name, err, err_eager)
+    ref = _reference(CASES[0])
+    for rank in range(WORLD):
+        torch.testing.assert_close(results[rank][-1]["grad_hidden"].double(), ref[1], rtol=2e-5, atol=1e-6)
+        torch.testing.assert_close(results[rank][-1]["grad_weight"].double(), ref[2], rtol=2e-5, atol=1e-6)

@@ -1,0 +1,239 @@
+"""The tiled cross entropy of a vocabulary-sharded (tensor-parallel) LM head.
+
+Each rank of the tensor-parallel group holds rows ``[start, start + V_r)`` of the head and
+computes its own ``[tile, V_r]`` logits, one tile of tokens at a time. Per tile, three
+reductions cross the group: the max of the logits, the sum of their exponentials and the
+target's logit (plus the sum of the logits under label smoothing), each one ``[tile]``
+float32 all-reduce. No rank ever holds more than a tile of its shard's logits.
+
+The gradient is derived, not written: the tile function is traced by ``make_fx`` with the
+collectives in it (functional collectives), and differentiated by ``autograd.grad``. A
+group-wide sum enters the function as ``local + stop_gradient(global - local)``: its value
+is the global sum and its derivative with respect to this rank's logits is the derivative of
+this rank's share, which is the exact derivative of the global loss with respect to them.
+Each rank's hidden-state gradient is its shard's share; one all-reduce over ``[N, H]`` after
+the tiles sums the shares, as the replicated hidden states require.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+from tile_pass._tile_kernel import finish_tile_graph, onednn_gemms_apply, trace_fake, traced_once
+from tile_pass._tiling import effective_tile
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardKey:
+    tile: int
+    hidden_size: int
+    local_vocab: int
+    vocab_start: int
+    vocab_size: int
+    dtype: torch.dtype
+    upcast: bool
+    ignore_index: int
+    label_smoothing: float
+    group_name: str
+    device: torch.device
+    need_hidden: bool
+    need_weight: bool
+    acc_dtype: torch.dtype
+    compiled: bool = False
+    onednn: bool = False
+
+
+def _group_sum(local: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The group-wide sum, differentiable as this rank's share (see the module docstring)."""
+    share = local.detach()
+    return local + (funcol.all_reduce(share, "sum", group_name) - share)
+
+
+def _token_losses(key: _ShardKey, hidden, weight, target):
+    """Per-token cross entropy over the whole vocabulary, from this rank's shard of it."""
+    logits = F.linear(hidden, weight)
+    if key.upcast:
+        logits = logits.float()
+    peak = funcol.all_reduce(logits.detach().amax(-1), "max", key.group_name)  # a shift only
+    sum_exp = _group_sum((logits - peak.unsqueeze(-1)).exp().sum(-1), key.group_name)
+    lse = sum_exp.log() + peak
+    owned = (target >= key.vocab_start) & (target < key.vocab_start + key.local_vocab)
+    local_index = (target - key.vocab_start).clamp(0, key.local_vocab - 1).unsqueeze(-1)
+    target_logit = torch.where(owned, logits.gather(-1, local_index).squeeze(-1), 0.0)
+    losses = lse - _group_sum(target_logit, key.group_name)
+    if key.label_smoothing:
+        mean_logit = _group_sum(logits.sum(-1), key.group_name) / key.vocab_size
+        losses = (1 - key.label_smoothing) * losses + key.label_smoothing * (lse - mean_logit)
+    return torch.where(target != key.ignore_index, losses, 0.0)
+
+
+def _joint(key: _ShardKey):
+    def joint(hidden, weight, target, coef, *accumulators):
+        wanted = []
+        with torch.enable_grad():
+            if key.need_hidden:
+                hidden = hidden.detach().requires_grad_()
+                wanted.append(hidden)
+            if key.need_weight:
+                weight = weight.detach().requires_grad_()
+                wanted.append(weight)
+            losses = _token_losses(key, hidden, weight, target)
+            grads = list(torch.autograd.grad((losses * coef).sum(), wanted)) if wanted else []
+        grad_hidden = grads.pop(0) if key.need_hidden else None
+        if key.need_weight:
+            accumulators[0].add_(grads.pop(0))
+        return (losses.detach(), grad_hidden) if grad_hidden is not None else (losses.detach(),)
+
+    return joint
+
+
+def _trace(key: _ShardKey):
+    T, H = key.tile, key.hidden_size
+    inputs = [
+        ((T, H), key.dtype),
+        ((key.local_vocab, H), key.dtype),
+        ((T,), torch.int64),
+        ((T,), key.acc_dtype),
+    ]
+    if key.need_weight:
+        inputs.append(((key.local_vocab, H), key.acc_dtype))
+    return finish_tile_graph(trace_fake(_joint(key), inputs, key.device), key)
+
+
+@torch.library.custom_op("tile_pass::vocab_parallel_ce", mutates_args=())
+def _vocab_parallel_ce(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group_name: str,
+    vocab_start: int,
+    vocab_size: int,
+    ignore_index: int,
+    label_smoothing: float,
+    mean: bool,
+    upcast: bool,
+    tile_tokens: int,
+    compile_tiles: bool,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, grad hidden, grad of this rank's weight shard)`` at unit upstream gradient."""
+    num_tokens, hidden_size = hidden.shape
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    if target.device.type == "cpu" and bad.any():
+        raise IndexError(f"Target {int(target[bad][0])} is out of bounds.")
+    acc = torch.promote_types(torch.float32, hidden.dtype)
+    valid = (target != ignore_index).to(acc)
+    count = valid.sum()
+    coef = valid / count if mean else valid
+    tile = effective_tile(num_tokens, tile_tokens)
+    key = _ShardKey(
+        tile, hidden_size, weight.shape[0], vocab_start, vocab_size, hidden.dtype, upcast, ignore_index,
+        float(label_smoothing), group_name, hidden.device, need_hidden, need_weight, acc, compile_tiles,
+        onednn_gemms_apply(hidden.device),
+    )  # fmt: skip
+    total = hidden.new_zeros((), dtype=acc)
+    grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty((0,))
+    weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
+    # every rank runs the same tiles in the same order: the collectives pair up
+    for start in range(0, num_tokens, tile):
+        stop = min(start + tile, num_tokens)
+        size = tile if stop - start == tile else effective_tile(stop - start, tile)
+        kernel = traced_once(key if size == tile else dataclasses.replace(key, tile=size), _trace)
+        h_t, y_t, c_t = hidden[start:stop], target[start:stop], coef[start:stop]
+        if size != stop - start:  # padding: ignored tokens of zero weight
+            pad = size - (stop - start)
+            h_t = torch.cat([h_t, h_t.new_zeros(pad, hidden_size)])
+            y_t = torch.cat([y_t, y_t.new_full((pad,), ignore_index)])
+            c_t = torch.cat([c_t, c_t.new_zeros(pad)])
+        out = kernel(h_t, weight, y_t, c_t, *([weight_acc] if need_weight else []))
+        total += out[0][: stop - start].sum(dtype=acc)
+        if need_hidden:
+            grad_hidden[start:stop] = out[1][: stop - start]
+    if need_hidden:  # each rank holds its shard's share of d loss / d hidden
+        dist.all_reduce(grad_hidden, group=dist.distributed_c10d._resolve_process_group(group_name))
+    loss = (total / count if mean else total).to(torch.float32 if upcast else hidden.dtype)
+    grad_weight = weight_acc.to(weight.dtype) if need_weight else hidden.new_empty((0,))
+    return loss, grad_hidden, grad_weight
+
+
+@_vocab_parallel_ce.register_fake
+def _(hidden, weight, target, *, group_name, vocab_start, vocab_size, ignore_index, label_smoothing, mean,
+      upcast, tile_tokens, compile_tiles, need_hidden, need_weight):  # fmt: skip
+    return (
+        hidden.new_empty((), dtype=torch.float32 if upcast else hidden.dtype),
+        hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty((0,)),
+        weight.new_empty(weight.shape) if need_weight else hidden.new_empty((0,)),
+    )
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.need = (keyword_only_inputs["need_hidden"], keyword_only_inputs["need_weight"])
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _vjp(ctx, grad_loss, _grad_hidden, _grad_weight):
+    # Glue, not a gradient formula: the gradients were derived in forward at unit upstream
+    # gradient; the loss is a scalar, so the chain rule scales them by the incoming gradient.
+    if torch.is_grad_enabled():
+        raise RuntimeError("tile_pass: a second derivative through the tiled loss is not supported")
+    grad_hidden, grad_weight = ctx.saved_tensors
+    return (
+        (grad_hidden * grad_loss).to(grad_hidden.dtype) if ctx.need[0] else None,
+        (grad_weight * grad_loss).to(grad_weight.dtype) if ctx.need[1] else None,
+        None,
+    )
+
+
+_vocab_parallel_ce.register_autograd(_vjp, setup_context=_setup_context)
+
+
+def vocab_parallel_cross_entropy(
+    hidden: torch.Tensor,
+    weight,
+    target: torch.Tensor,
+    *,
+    reduction: str,
+    ignore_index: int,
+    label_smoothing: float,
+    upcast: bool,
+    tile_tokens: int,
+    compile_tiles: bool = False,
+) -> torch.Tensor:
+    """The loss of ``F.linear(hidden, weight)`` for a ``DTensor`` weight sharded over the
+    vocabulary (``Shard(0)`` on a 1-D mesh, uneven shards included), with hidden states and
+    targets replicated over that mesh (plain tensors or ``Replicate`` DTensors); called by
+    :func:`tile_pass.linear_cross_entropy`."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise NotImplementedError(
+            "tile_pass: a DTensor LM-head weight must be sharded over the vocabulary (placements "
+            f"(Shard(0),)) on a 1-D tensor-parallel mesh; got {tuple(weight.placements)} on a {mesh.ndim}-D mesh. "
+            "Pass the tensor-parallel sub-mesh's weight (mesh['tp'])."
+        )
+    if reduction not in ("mean", "sum"):
+        raise NotImplementedError("tile_pass: a vocabulary-sharded head takes reduction 'mean' or 'sum'")
+    for name, value in (("input", hidden), ("target", target)):
+        if isinstance(value, DTensor) and tuple(value.placements) != (Replicate(),):
+            raise NotImplementedError(f"tile_pass: {name} must be replicated over the tensor-parallel mesh")
+    hidden = hidden.to_local() if isinstance(hidden, DTensor) else hidden
+    target = target.to_local() if isinstance(target, DTensor) else target
+    _, (vocab_start, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    local = weight.to_local()
+    grad_on = torch.is_grad_enabled()
+    loss, _, _ = _vocab_parallel_ce(
+        hidden, local, target, group_name=mesh.get_group().group_name, vocab_start=int(vocab_start),
+        vocab_size=int(weight.shape[0]), ignore_index=ignore_index, label_smoothing=float(label_smoothing),
+        mean=reduction == "mean", upcast=upcast, tile_tokens=tile_tokens, compile_tiles=compile_tiles,
+        need_hidden=grad_on and hidden.requires_grad, need_weight=grad_on and local.requires_grad,
+    )  # fmt: skip
+    return loss
