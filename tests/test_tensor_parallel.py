@@ -89,21 +89,22 @@ def test_vocab_sharded_head_equals_eager_on_the_whole_head(tmp_path):
     spawn(_worker, (_free_port(), str(tmp_path)))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     assert [results[r][0]["local_rows"] for r in range(WORLD)] == [251, 250]
+    names = ("loss", "grad_hidden", "grad_weight")
     for i, case in enumerate(CASES):
-        ref = _reference(case)
+        reference = dict(zip(names, _reference(case), strict=True))
+        eager = dict(zip(names, _eager_same_dtype(case), strict=True))
         for rank in range(WORLD):
-            got = results[rank][i]
-            for name, value, want in zip(("loss", "grad_hidden", "grad_weight"),
-                                         (got["loss"], got["grad_hidden"], got["grad_weight"]), ref):  # fmt: skip
-                assert value.dtype == (torch.float32 if name == "loss" else case["dtype"])
+            for name in names:
+                value, want = results[rank][i][name], reference[name]
+                what = f"{case} rank {rank} {name}"
+                assert value.dtype == (torch.float32 if name == "loss" else case["dtype"]), what
                 if case["dtype"] == torch.float32:
-                    scale = want.abs().max().item()
-                    torch.testing.assert_close(value.double(), want, rtol=2e-5, atol=2e-6 * scale,
-                                               msg=lambda m, n=name, r=rank: f"{case} rank {r} {n}: {m}")  # fmt: skip
+                    atol = 2e-6 * want.abs().max().item()
+                    torch.testing.assert_close(value.double(), want, rtol=2e-5, atol=atol, msg=what)
                 else:  # bf16: no worse than eager bf16 against float64 (twice its error, at most)
-                    eager = dict(zip(("loss", "grad_hidden", "grad_weight"), _eager_same_dtype(case)))[name]
-                    err, err_eager = (value.double() - want).abs().max(), (eager.double() - want).abs().max()
-                    assert err <= 2 * err_eager + 1e-6, (case, rank, name, err, err_eager)
+                    err = (value.double() - want).abs().max()
+                    err_eager = (eager[name].double() - want).abs().max()
+                    assert err <= 2 * err_eager + 1e-6, (what, err, err_eager)
     ref = _reference(CASES[0])
     for rank in range(WORLD):
         torch.testing.assert_close(results[rank][-1]["grad_hidden"].double(), ref[1], rtol=2e-5, atol=1e-6)

@@ -772,9 +772,8 @@ def _rewrite_row_regions(
         tokens_hint = optimization_hint(num_tokens, fallback=8192)
         tile_now = effective_tile(tokens_hint, tile)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        kept = sum(
-            _val(o.node).numel() * _val(o.node).element_size() for o in region.outputs if o.layout.kind == "rows"
-        )
+        returned = [_val(o.node) for o in region.outputs if o.layout.kind == "rows"]
+        kept = sum(value.numel() * value.element_size() for value in returned)
         outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
         report.rewrites.append(
             Rewrite(

@@ -585,8 +585,9 @@ def linear_cross_entropy(
     hidden = input
     if _is_dtensor(linear_weight):
         return _vocab_parallel(
-            hidden, linear_weight, target, bias if linear_bias is None else linear_bias, weight, reduction,
-            ignore_index, label_smoothing, tile_tokens, tile_bytes, upcast, logit_scale, softcap, compile_tiles,
+            hidden, linear_weight, target, linear_bias if linear_bias is not None else bias, weight,
+            reduction, ignore_index, label_smoothing, tile_tokens, tile_bytes, upcast, logit_scale, softcap,
+            compile_tiles,
         )  # fmt: skip
     if bias is not None and linear_bias is not None:
         raise TypeError("pass the projection's bias once: as linear_bias= (torch's name) or positionally")

@@ -217,7 +217,8 @@ def vocab_parallel_cross_entropy(
     if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
         raise NotImplementedError(
             "tile_pass: a DTensor LM-head weight must be sharded over the vocabulary (placements "
-            f"(Shard(0),)) on a 1-D tensor-parallel mesh; got {tuple(weight.placements)} on a {mesh.ndim}-D mesh. "
+            f"(Shard(0),)) on a 1-D tensor-parallel mesh; got {tuple(weight.placements)} on a "
+            f"{mesh.ndim}-D mesh. "
             "Pass the tensor-parallel sub-mesh's weight (mesh['tp'])."
         )
     if reduction not in ("mean", "sum"):
