@@ -55,6 +55,17 @@ def _worker(rank, port, outdir):
             loss.backward()
             results.append(dict(loss=loss.detach(), grad_hidden=h.grad, grad_weight=w.grad.full_tensor(),
                                 local_rows=w.to_local().shape[0]))  # fmt: skip
+        # compiled (fullgraph: the DTensor unwrapping and the op trace without a break)
+        hidden, weight, target = _data()
+        w = torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
+        h = hidden.requires_grad_()
+        step = torch.compile(
+            lambda h, w, y: tile_pass.linear_cross_entropy(h, w, y, tile_tokens=TILE), backend="aot_eager",
+            fullgraph=True,
+        )  # fmt: skip
+        loss = step(h, w, target)
+        loss.backward()
+        results.append(dict(loss=loss.detach(), grad_hidden=h.grad, grad_weight=w.grad.full_tensor()))
         # a replicated DTensor input, and the weight's shard in the report of errors
         h = distribute_tensor(_data()[0], mesh, [Replicate()]).requires_grad_()
         w = torch.nn.Parameter(distribute_tensor(_data()[1], mesh, [Shard(0)]))
@@ -107,5 +118,8 @@ def test_vocab_sharded_head_equals_eager_on_the_whole_head(tmp_path):
                     assert err <= 2 * err_eager + 1e-6, (what, err, err_eager)
     ref = _reference(CASES[0])
     for rank in range(WORLD):
+        compiled = results[rank][-2]
+        torch.testing.assert_close(compiled["loss"].double(), ref[0], rtol=2e-6, atol=0)
+        torch.testing.assert_close(compiled["grad_weight"].double(), ref[2], rtol=2e-5, atol=1e-6)
         torch.testing.assert_close(results[rank][-1]["grad_hidden"].double(), ref[1], rtol=2e-5, atol=1e-6)
         torch.testing.assert_close(results[rank][-1]["grad_weight"].double(), ref[2], rtol=2e-5, atol=1e-6)
