@@ -154,9 +154,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def spawn(fn, args, timeout=SPAWN_TIMEOUT_S):
-    """Run ``fn(rank, *args)`` on WORLD spawned processes; fail (never hang) past ``timeout``."""
-    ctx = mp.start_processes(fn, args=args, nprocs=WORLD, join=False, start_method="spawn")
+def spawn(fn, args, timeout=SPAWN_TIMEOUT_S, nprocs=WORLD):
+    """Run ``fn(rank, *args)`` on ``nprocs`` spawned processes; fail (never hang) past ``timeout``."""
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
         if time.monotonic() > deadline:

@@ -123,3 +123,72 @@ def test_vocab_sharded_head_equals_eager_on_the_whole_head(tmp_path):
         torch.testing.assert_close(compiled["grad_weight"].double(), ref[2], rtol=2e-5, atol=1e-6)
         torch.testing.assert_close(results[rank][-1]["grad_hidden"].double(), ref[1], rtol=2e-5, atol=1e-6)
         torch.testing.assert_close(results[rank][-1]["grad_weight"].double(), ref[2], rtol=2e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ a 2x2 mesh: FSDP2 x TP
+
+
+class _LM(torch.nn.Module):
+    """Embedding, one layer, a head whose weight the loss takes (sharded over the vocabulary)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(V, H)
+        self.proj = torch.nn.Linear(H, H)
+        self.head = torch.nn.Linear(H, V, bias=False)
+
+    def forward(self, ids, labels, tiled=True):
+        x = torch.tanh(self.proj(self.embed(ids)))
+        if tiled:
+            return tile_pass.linear_cross_entropy(x, self.head.weight, labels, tile_tokens=TILE)
+        return F.cross_entropy(F.linear(x, self.head.weight).flatten(0, 1), labels.flatten())
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (4, 9), generator=g)
+    labels = torch.randint(0, V, (4, 9), generator=g)
+    labels[:, :2] = -100  # the same valid count on every data-parallel rank
+    return ids, labels
+
+
+def _mesh_worker(rank, port, outdir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        model = _LM()
+        head = distribute_tensor(model.head.weight.data, mesh["tp"], [Shard(0)])
+        model.head.weight = torch.nn.Parameter(head)
+        fully_shard(model, mesh=mesh["dp"])
+        ids, labels = _batch()
+        rows = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
+        loss = model(ids[rows], labels[rows])
+        loss.backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        torch.save({"loss": loss.detach(), "grads": grads}, os.path.join(outdir, f"mesh{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_two_d_mesh_fsdp2_over_data_and_the_head_over_tensor_parallel(tmp_path):
+    spawn(_mesh_worker, (_free_port(), str(tmp_path)), nprocs=4)
+    torch.manual_seed(0)
+    reference = _LM().double()
+    ids, labels = _batch()
+    loss = reference(ids, labels, tiled=False)
+    loss.backward()
+    results = [torch.load(tmp_path / f"mesh{rank}.pt") for rank in range(4)]
+    # each data-parallel rank's loss is its local mean; equal valid counts make their mean the global one
+    local = sorted({float(r["loss"]) for r in results})
+    assert len(local) == 2 and abs(sum(local) / 2 - loss.item()) < 1e-5
+    for rank, result in enumerate(results):
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(result["grads"][name].double(), param.grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")  # fmt: skip
