@@ -192,3 +192,62 @@ def test_two_d_mesh_fsdp2_over_data_and_the_head_over_tensor_parallel(tmp_path):
         for name, param in reference.named_parameters():
             torch.testing.assert_close(result["grads"][name].double(), param.grad, rtol=1e-5, atol=1e-7,
                                        msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")  # fmt: skip
+
+
+# ------------------------------------------------- torchtitan's recipe, through the backend
+
+
+def _titan_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False))
+
+
+def _whole(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _titan_worker(rank, port, outdir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = _titan_model()
+        parallelize_module(
+            model, mesh, {"1": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        )
+        ids, labels = _batch()
+
+        def step(ids, labels):
+            return F.cross_entropy(model(ids).flatten(0, 1), labels.flatten(0, 1))
+
+        backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
+        with loss_parallel():  # around the compiled step: Dynamo traces the DTensor loss inside it
+            loss = torch.compile(step, backend=backend)(ids, labels)
+            loss.backward()
+        grads = {name: _whole(p.grad) for name, p in model.named_parameters()}
+        result = {"loss": loss.full_tensor().detach(), "grads": grads, "report": backend.report().to_dict()}
+        torch.save(result, os.path.join(outdir, f"titan{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_torchtitan_loss_parallel_step_is_rewritten_and_exact(tmp_path):
+    spawn(_titan_worker, (_free_port(), str(tmp_path)))
+    reference = _titan_model().double()
+    ids, labels = _batch()
+    loss = F.cross_entropy(reference(ids).flatten(0, 1), labels.flatten(0, 1))
+    loss.backward()
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"titan{rank}.pt")
+        rewrites = result["report"]["rewrites"]
+        assert len(rewrites) == 1 and "tensor-parallel: degree 2" in rewrites[0]["form"], result["report"]
+        assert "redistribute (no-op)" in rewrites[0]["form"]
+        torch.testing.assert_close(result["loss"].double(), loss.detach(), rtol=2e-6, atol=0)
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(result["grads"][name].double(), param.grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")  # fmt: skip

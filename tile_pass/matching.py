@@ -395,6 +395,8 @@ def match_region(loss: torch.fx.Node) -> Region:
         value = _val(current)
         if current.op == "call_method" and current.target == "contiguous":
             steps.append("contiguous")
+        elif _no_op_redistribute(current, previous):  # ColwiseParallel's output hook, Shard(-1) kept
+            steps.append("redistribute (no-op)")
         elif (current.op == "call_method" and current.target in _VIEW_METHODS) or (
             current.op == "call_function" and current.target in _VIEW_FUNCTIONS
         ):
@@ -494,6 +496,56 @@ def match_region(loss: torch.fx.Node) -> Region:
     )
 
 
+def _no_op_redistribute(node: torch.fx.Node, previous: torch.fx.Node) -> bool:
+    """``x.redistribute(...)`` of a DTensor that keeps its mesh and placements."""
+    if node.op != "call_method" or node.target != "redistribute":
+        return False
+    out, inp = _val(node), _val(previous)
+    placements = [getattr(v, "placements", None) for v in (out, inp)]
+    meshes = [getattr(v, "device_mesh", None) for v in (out, inp)]
+    return placements[0] is not None and placements[0] == placements[1] and meshes[0] == meshes[1]
+
+
+def _tensor_parallel(region: Region) -> tuple[int, int, int] | None:
+    """``(degree, first row, rows)`` of this rank's vocabulary shard, for a DTensor head that
+    ``tile_pass.vocab_parallel`` tiles; None for a plain head; ``_NoMatch`` for what it cannot."""
+    weight = _val(region.weight)
+    placements = getattr(weight, "placements", None)
+    if placements is None:
+        return None
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(placements) != (Shard(0),):
+        raise _NoMatch(
+            f"the DTensor LM head is placed {tuple(placements)} on a {mesh.ndim}-D mesh; only a "
+            "vocabulary-sharded head (Shard(0)) on a 1-D tensor-parallel mesh is tiled"
+        )
+    unsupported = [
+        what for what, present in (
+            ("row-wise ops between the head and the loss", any(op[0] != "cast" for op in region.ops)),
+            ("class weights or probability targets", region.class_weight is not None or region.soft_targets),
+            ("a projection bias", region.bias is not None), ("returned logits", region.returned is not None),
+            ("reduction='none'", region.reduction == "none"), ("token slices", bool(region.slices)),
+            ("autocast", region.autocast_dtype is not None),
+        ) if present
+    ]  # fmt: skip
+    if unsupported:
+        raise _NoMatch(f"the vocabulary-sharded head has {', '.join(unsupported)}, which are not tiled in "
+                       "tensor-parallel form yet")  # fmt: skip
+    (rows, _), (start, _) = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
+    return mesh.size(), int(start), int(rows)
+
+
+def _tensor_parallel_text(tensor_parallel: tuple[int, int, int] | None) -> str:
+    if tensor_parallel is None:
+        return ""
+    degree, start, rows = tensor_parallel
+    last = start + rows - 1
+    return f" [tensor-parallel: degree {degree}, this rank's vocabulary rows {start}..{last}; bytes per rank]"
+
+
 def _is_loss(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in (F.cross_entropy, F.nll_loss)
 
@@ -556,6 +608,24 @@ def _rewrite(
         and not region.slices  # the tiles cover the loss's rows, which must be all of them
         and region.reduction != "none"
     )
+    if _tensor_parallel(region) is not None:
+        from tile_pass.vocab_parallel import vocab_parallel_region_loss
+
+        with graph.inserting_before(loss):
+            new_loss = graph.call_function(
+                vocab_parallel_region_loss,
+                (region.hidden, region.weight, region.target),
+                {"reduction": region.reduction, "ignore_index": region.ignore_index,
+                 "label_smoothing": region.label_smoothing, "upcast": region.upcast and bool(region.ops),
+                 "tile_tokens": tile_tokens, "compile_tiles": compile_tiles},
+            )  # fmt: skip
+        new_loss.meta.update(loss.meta)
+        loss.replace_all_uses_with(new_loss)
+        graph.erase_node(loss)
+        for node in [*region.erase, *reversed(region.chain), region.linear, region.transpose]:
+            if node is not None and not node.users:
+                graph.erase_node(node)
+        return "not returned"
     with graph.inserting_before(loss):
         hidden, weight, bias = region.hidden, region.weight, region.bias
         for index in region.slices:
@@ -652,6 +722,7 @@ def rewrite_graph(
     for loss in [n for n in gm.graph.nodes if _is_loss(n)]:
         try:
             region = match_region(loss)
+            tensor_parallel = _tensor_parallel(region)
         except _NoMatch as why:
             skipped_losses[loss] = Skip(graph_index, source_line(loss), str(why))
             continue
@@ -679,6 +750,7 @@ def rewrite_graph(
                 tile_bytes_per_token(vocab_hint, dtype, region.upcast, compile_tiles),
             )  # fmt: skip
         itemsize = torch.empty((), dtype=dtype).element_size()
+        local_vocab = tensor_parallel[2] if tensor_parallel else vocab_size
         returned_val = _val(region.returned) if region.returned is not None else None
         handled = _rewrite(gm.graph, region, tile, drop_logits, run_compiled_tiles, result)
         kept = 0
@@ -689,7 +761,7 @@ def rewrite_graph(
                 graph=graph_index,
                 matmul_source=source_line(region.linear),
                 loss_source=source_line(loss),
-                form=region.form,
+                form=region.form + _tensor_parallel_text(tensor_parallel),
                 num_tokens=_plain(num_tokens),
                 hidden_size=_plain(hidden_size),
                 vocab_size=_plain(vocab_size),
@@ -698,10 +770,10 @@ def rewrite_graph(
                 tile_tokens=tile_now,
                 num_tiles=_plain((num_tokens + tile_now - 1) // tile_now),
                 forward_bytes_avoided=_plain(
-                    num_tokens * vocab_size * _forward_bytes(itemsize, region.upcast) - kept
+                    num_tokens * local_vocab * _forward_bytes(itemsize, region.upcast) - kept
                 ),
                 backward_bytes_avoided=_plain(
-                    num_tokens * vocab_size * (4 + (itemsize if itemsize != 4 else 0))
+                    num_tokens * local_vocab * (4 + (itemsize if itemsize != 4 else 0))
                 ),
                 returned_logits=handled,
                 returned_logits_bytes=_plain(kept),

@@ -238,3 +238,30 @@ def vocab_parallel_cross_entropy(
         need_hidden=grad_on and hidden.requires_grad, need_weight=grad_on and local.requires_grad,
     )  # fmt: skip
     return loss
+
+
+def vocab_parallel_region_loss(
+    hidden,
+    weight,
+    target,
+    *,
+    reduction: str,
+    ignore_index: int,
+    label_smoothing: float,
+    upcast: bool,
+    tile_tokens: int,
+    compile_tiles: bool,
+):
+    """What the backend pass calls for a matched tensor-parallel region (torchtitan's
+    ``ColwiseParallel`` head and a cross entropy under ``loss_parallel()``): the tiled loss,
+    a replicated DTensor when the hidden states are DTensors, as ``loss_parallel`` returns."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    flat = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
+    loss = vocab_parallel_cross_entropy(
+        flat, weight, target.reshape(-1), reduction=reduction, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, upcast=upcast, tile_tokens=tile_tokens, compile_tiles=compile_tiles,
+    )  # fmt: skip
+    if isinstance(hidden, DTensor):
+        return DTensor.from_local(loss, hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim)
+    return loss
