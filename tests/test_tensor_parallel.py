@@ -251,3 +251,82 @@ def test_torchtitan_loss_parallel_step_is_rewritten_and_exact(tmp_path):
         for name, param in reference.named_parameters():
             torch.testing.assert_close(result["grads"][name].double(), param.grad, rtol=1e-5, atol=1e-7,
                                        msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")  # fmt: skip
+
+
+# ---------------------------------------- a Hugging Face Llama, its head tensor-parallel
+
+STEPS = 3
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    model.loss_type = "ForCausalLM"  # no logging property in the traced forward
+    return model
+
+
+def _llama_batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, V, (2, 12), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100
+    return ids, labels
+
+
+def _llama_worker(rank, port, outdir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = _llama()
+        plan = {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        parallelize_module(model, mesh, plan)
+        backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
+        step = torch.compile(lambda ids, labels: model(input_ids=ids, labels=labels).loss, backend=backend)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ids, labels = _llama_batch()
+        losses = []
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            with loss_parallel():
+                loss = step(ids, labels)
+                loss.backward()
+            optimizer.step()
+            losses.append(float(_whole(loss).detach()))
+        params = {name: _whole(p.detach()) for name, p in model.named_parameters()}
+        result = {"losses": losses, "params": params, "report": backend.report().to_dict()}
+        torch.save(result, os.path.join(outdir, f"llama{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_llama_with_a_tensor_parallel_head_trains_like_eager(tmp_path):
+    reference = _llama().double()
+    spawn(_llama_worker, (_free_port(), str(tmp_path)))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ids, labels = _llama_batch()
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = reference(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"llama{rank}.pt")
+        rewrites = result["report"]["rewrites"]
+        assert len(rewrites) == 1 and "tensor-parallel: degree 2" in rewrites[0]["form"], result["report"]
+        assert result["losses"] == pytest.approx(losses, rel=1e-6)
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(result["params"][name].double(), param.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")  # fmt: skip

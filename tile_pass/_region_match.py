@@ -212,6 +212,11 @@ class _Matcher:
         hidden_val, weight_val, out_val = val(self.hidden), val(self.weight), val(projection)
         if hidden_val is None or weight_val is None or out_val is None or weight_val.dim() != 2:
             raise NoMatch("the projection's inputs carry no shape information")
+        if any(hasattr(v, "placements") for v in (hidden_val, weight_val, out_val)):
+            raise NoMatch(
+                "the LM head is a DTensor (tensor parallel): only its cross entropy, without other readers "
+                "of the logits, is tiled in tensor-parallel form yet"
+            )
         self.vocab, hidden_size = weight_val.shape
         if not same(hidden_val.shape[-1], hidden_size) or not same(out_val.shape[-1], self.vocab):
             raise NoMatch("the hidden states do not match the LM-head weight")

@@ -608,7 +608,8 @@ def _rewrite(
         and not region.slices  # the tiles cover the loss's rows, which must be all of them
         and region.reduction != "none"
     )
-    if _tensor_parallel(region) is not None:
+    tensor_parallel = _tensor_parallel(region)
+    if tensor_parallel is not None:
         from tile_pass.vocab_parallel import vocab_parallel_region_loss
 
         with graph.inserting_before(loss):
@@ -617,7 +618,9 @@ def _rewrite(
                 (region.hidden, region.weight, region.target),
                 {"reduction": region.reduction, "ignore_index": region.ignore_index,
                  "label_smoothing": region.label_smoothing, "upcast": region.upcast and bool(region.ops),
-                 "tile_tokens": tile_tokens, "compile_tiles": compile_tiles},
+                 "tile_tokens": tile_tokens, "compile_tiles": compile_tiles,
+                 "group_name": _val(region.weight).device_mesh.get_group().group_name,
+                 "vocab_start": tensor_parallel[1]},
             )  # fmt: skip
         new_loss.meta.update(loss.meta)
         loss.replace_all_uses_with(new_loss)

@@ -205,6 +205,7 @@ def vocab_parallel_cross_entropy(
     upcast: bool,
     tile_tokens: int,
     compile_tiles: bool = False,
+    shard: tuple[str, int] | None = None,
 ) -> torch.Tensor:
     """The loss of ``F.linear(hidden, weight)`` for a ``DTensor`` weight sharded over the
     vocabulary (``Shard(0)`` on a 1-D mesh, uneven shards included), with hidden states and
@@ -228,11 +229,14 @@ def vocab_parallel_cross_entropy(
             raise NotImplementedError(f"tile_pass: {name} must be replicated over the tensor-parallel mesh")
     hidden = hidden.to_local() if isinstance(hidden, DTensor) else hidden
     target = target.to_local() if isinstance(target, DTensor) else target
-    _, (vocab_start, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    if shard is None:  # (group name, first row): the pass gives them, read before tracing
+        _, (vocab_start, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+        shard = (mesh.get_group().group_name, int(vocab_start))
+    group_name, vocab_start = shard
     local = weight.to_local()
     grad_on = torch.is_grad_enabled()
     loss, _, _ = _vocab_parallel_ce(
-        hidden, local, target, group_name=mesh.get_group().group_name, vocab_start=int(vocab_start),
+        hidden, local, target, group_name=group_name, vocab_start=int(vocab_start),
         vocab_size=int(weight.shape[0]), ignore_index=ignore_index, label_smoothing=float(label_smoothing),
         mean=reduction == "mean", upcast=upcast, tile_tokens=tile_tokens, compile_tiles=compile_tiles,
         need_hidden=grad_on and hidden.requires_grad, need_weight=grad_on and local.requires_grad,
@@ -251,6 +255,8 @@ def vocab_parallel_region_loss(
     upcast: bool,
     tile_tokens: int,
     compile_tiles: bool,
+    group_name: str,
+    vocab_start: int,
 ):
     """What the backend pass calls for a matched tensor-parallel region (torchtitan's
     ``ColwiseParallel`` head and a cross entropy under ``loss_parallel()``): the tiled loss,
@@ -261,6 +267,7 @@ def vocab_parallel_region_loss(
     loss = vocab_parallel_cross_entropy(
         flat, weight, target.reshape(-1), reduction=reduction, ignore_index=ignore_index,
         label_smoothing=label_smoothing, upcast=upcast, tile_tokens=tile_tokens, compile_tiles=compile_tiles,
+        shard=(group_name, vocab_start),
     )  # fmt: skip
     if isinstance(hidden, DTensor):
         return DTensor.from_local(loss, hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim)
