@@ -2,11 +2,14 @@
 
     python examples/tensor_parallel_memory.py [--tokens 4096 --hidden 128 --vocab 32000]
 
-Two steps, each in freshly spawned ranks so that no allocator state carries over:
+Four steps, each in freshly spawned ranks so that no allocator state carries over:
 
 * ``loss_parallel``: torchtitan's recipe, eager: the head parallelised with
   ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)`` and the cross entropy
   under ``loss_parallel()`` (each rank holds its ``[N, V/2]`` logits and their log-probs);
+* ``inductor``: the same step, its loss compiled by plain Inductor (``loss_parallel()`` around it);
+* ``tile_pass backend``: the same, compiled with ``tile_pass.backend("inductor")``: the pass
+  rewrites the head and the loss into the tiled vocabulary-parallel loss;
 * ``tile_pass``: ``tile_pass.linear_cross_entropy(hidden, weight, labels)`` with the same
   ``Shard(0)`` DTensor weight: each rank tiles its shard.
 
@@ -56,14 +59,21 @@ def _worker(rank, port, impl, shape, out):
     weight = torch.randn(v, h, generator=g) / h**0.5
     labels = torch.randint(0, v, (n,), generator=g)
     labels[::7] = -100
-    if impl == "loss_parallel":
+    if impl in ("loss_parallel", "inductor", "tile_pass backend"):
         head = torch.nn.Linear(h, v, bias=False)
         head.weight.data.copy_(weight)
         parallelize_module(head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
 
+        def loss_of(hidden, labels):
+            return F.cross_entropy(head(hidden), labels)
+
+        if impl != "loss_parallel":
+            backend = "inductor" if impl == "inductor" else tile_pass.backend("inductor")
+            loss_of = torch.compile(loss_of, backend=backend)
+
         def step():
             with loss_parallel():
-                loss = F.cross_entropy(head(hidden), labels)
+                loss = loss_of(hidden, labels)
                 loss.backward()
             return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
     else:
@@ -105,11 +115,11 @@ def main(argv=None) -> None:
           f"local fp32 logits {local_logits_mib:.0f} MiB per rank")  # fmt: skip
     rows = {}
     with tempfile.TemporaryDirectory() as out:
-        for impl in ("loss_parallel", "tile_pass"):
+        for impl in ("loss_parallel", "inductor", "tile_pass backend", "tile_pass"):
             mp.spawn(_worker, args=(_free_port(), impl, shape, out), nprocs=WORLD)
             rows[impl] = [json.load(open(os.path.join(out, f"{impl}_{r}.json"))) for r in range(WORLD)]
-    base = max(r["peak_mib"] for r in rows["loss_parallel"])
-    print("| step | loss | peak MiB per rank | x loss_parallel |")
+    base = max(r["peak_mib"] for r in rows["inductor"])
+    print("| step | loss | peak MiB per rank | x inductor |")
     print("|---|---|---|---|")
     for impl, results in rows.items():
         peaks = " / ".join(f"{r['peak_mib']:.0f}" for r in results)
