@@ -33,6 +33,7 @@ from tile_pass import _region
 from tile_pass._region import RowProgram
 from tile_pass._tile_kernel import finish_tile_graph, onednn_gemms_apply, trace_fake, traced_once
 from tile_pass._tiling import effective_tile
+from tile_pass.tiled_loss import _acc_dtype, _fake_grads, _grads_or_empty, _refuse_double_backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +131,6 @@ def _program_kernel(key: ProgramKernelKey):
     return traced_once(key, _trace_program_kernel)
 
 
-def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(torch.float32, hidden.dtype)
-
-
 def _check_indices(program: RowProgram, token_inputs: list[torch.Tensor]) -> None:
     """Raise as eager does for an index outside the vocabulary, where that costs no host sync:
     on CPU a compiled tile would index out of bounds (and abort); on an accelerator the
@@ -229,38 +226,11 @@ def _tile_of(t: torch.Tensor, start: int, stop: int, size: int, zeros: bool = Fa
     return torch.cat([t, pad])
 
 
-def _grads_or_empty(hidden, weight, bias, grad_h, grad_w, grad_b) -> list[torch.Tensor]:
-    empty = hidden.new_empty((0,))
-    return [
-        grad_h if grad_h is not None else empty,
-        grad_w.to(weight.dtype) if grad_w is not None else empty,
-        grad_b.to(bias.dtype) if grad_b is not None else empty,
-    ]
-
-
 def _fake_outputs(program: RowProgram, hidden: torch.Tensor) -> list[torch.Tensor]:
     return [
         hidden.new_empty((hidden.shape[0], *_row_part(out.layout, program.vocab_size)), dtype=out.dtype)
         for out in program.outputs
     ]
-
-
-def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias) -> list[torch.Tensor]:
-    empty = hidden.new_empty((0,))
-    return [
-        hidden.new_empty(hidden.shape) if need_hidden else empty,
-        weight.new_empty(weight.shape) if need_weight else empty,
-        bias.new_empty(bias.shape) if need_bias else empty,
-    ]
-
-
-def _refuse_double_backward() -> None:
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "tile_pass: a second derivative through a tiled region was requested (backward with "
-            "create_graph=True). The tiled region gives exact first derivatives only; compute this "
-            "loss outside a tile_pass-compiled function for higher-order derivatives."
-        )
 
 
 # ------------------------------------------------------------------------- scalar loss
@@ -400,13 +370,13 @@ def _row_region_backward(
         region, hidden, weight, bias, token_inputs, row_inputs, dict(zip(diff, tangents, strict=True)),
         tile_tokens, compile_tiles, (need_hidden, need_weight, need_bias), keep_outputs=False,
     )  # fmt: skip
-    return _grads_or_empty(hidden, weight, bias, *grads)
+    return list(_grads_or_empty(hidden, weight, bias, *grads))
 
 
 @_row_region_backward.register_fake
 def _(tangents, hidden, weight, bias, token_inputs, row_inputs, *, program, tile_tokens, compile_tiles,
       need_hidden, need_weight, need_bias):  # fmt: skip
-    return _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
+    return list(_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias))
 
 
 def _region_setup_context(ctx, inputs, keyword_only_inputs, output):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from tile_pass._tile_kernel import finish_tile_graph, onednn_gemms_apply, trace_fake, traced_once
 from tile_pass._tiling import effective_tile
+from tile_pass.tiled_loss import _refuse_double_backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +182,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
 def _vjp(ctx, grad_loss, _grad_hidden, _grad_weight):
     # Glue, not a gradient formula: the gradients were derived in forward at unit upstream
     # gradient; the loss is a scalar, so the chain rule scales them by the incoming gradient.
-    if torch.is_grad_enabled():
-        raise RuntimeError("tile_pass: a second derivative through the tiled loss is not supported")
+    _refuse_double_backward()
     grad_hidden, grad_weight = ctx.saved_tensors
     return (
         (grad_hidden * grad_loss).to(grad_hidden.dtype) if ctx.need[0] else None,
