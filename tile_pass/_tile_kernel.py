@@ -289,10 +289,6 @@ def _joint_function(key: KernelKey):
     return joint
 
 
-def _example_inputs(key: KernelKey) -> list[torch.Tensor]:
-    return [torch.zeros(shape, dtype=dtype, device=key.device) for _, shape, dtype in _inputs_of(key)]
-
-
 def _strip_transpose_pairs(node: torch.fx.Node) -> torch.fx.Node:
     while (
         node.target is aten.t.default
