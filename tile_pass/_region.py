@@ -29,6 +29,11 @@ import torch.nn.functional as F
 LAYOUTS = ("rows", "tokens1", "tokens")
 
 
+def row_part(layout: str, vocab_size) -> tuple:
+    """The dimensions after the token dimension of a value in ``layout``."""
+    return {"rows": (vocab_size,), "tokens1": (1,), "tokens": ()}[layout]
+
+
 @dataclass(frozen=True)
 class Ref:
     """An operand of a step: ``kind`` is ``"value"`` (the output of step ``index - 1``;

@@ -285,7 +285,7 @@ class _Matcher:
                 f"{describe(node)} uses {describe(arg)}, which requires grad; a learnable tensor "
                 "inside the region is not tiled yet"
             )
-        out_part = {"rows": (self.vocab,), "tokens1": (1,), "tokens": ()}[out.kind]
+        out_part = _region.row_part(out.kind, self.vocab)
         out_shape = (*out.tokens, *out_part)
         if value.dim() > len(out_shape):
             raise NoMatch(f"{describe(node)} broadcasts the logits up with {describe(arg)}")
@@ -383,7 +383,7 @@ class _Matcher:
         if any(not _same_shape(layout.tokens, tokens) for layout in layouts):
             raise NoMatch(f"{describe(node)} combines values with different token dimensions")
         layout = Layout(kind, tokens)
-        part = {"rows": (self.vocab,), "tokens1": (1,), "tokens": ()}[kind]
+        part = _region.row_part(kind, self.vocab)
         if not _same_shape(tuple(out.shape), (*tokens, *part)):
             raise NoMatch(f"{describe(node)} changes the shape of the logits' rows")
         if out.device.type != self.device_type:
@@ -413,7 +413,7 @@ class _Matcher:
         else:
             raise NoMatch(f"{describe(node)} reshapes across the tokens")
         self._flat(new.tokens)
-        part = {"rows": (self.vocab,), "tokens1": (1,), "tokens": ()}[new.kind]
+        part = _region.row_part(new.kind, self.vocab)
         return Classified(self.step(node, "reshape", (source, -1, *part), op="call_method"), new)
 
     def vocab_reduction(self, node, layout: Layout, out) -> list[Classified]:

@@ -50,10 +50,6 @@ class Layout:
     kind: str
     tokens: tuple
 
-    @property
-    def row_part(self) -> tuple[int, ...]:
-        return {"rows": (-2,), "tokens1": (1,), "tokens": ()}[self.kind]  # -2: the vocabulary
-
 
 @dataclass(frozen=True)
 class Rule:
@@ -71,7 +67,6 @@ class Classified:
     layout: Layout
     #: ("sum",) | ("mean_valid", target, class_weight, ignore_index) | ("div_tokens",) | ("div_elements",)
     after_tiles: tuple | None = None
-    index_check: tuple | None = None  # (token operand position in step.args, message, ignore_index)
 
 
 _UNARY = ["tanh", "exp", "log", "neg", "abs", "sigmoid", "sqrt", "rsqrt", "square", "log1p", "expm1",

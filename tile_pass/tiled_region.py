@@ -67,16 +67,12 @@ def _kernel_inputs(key: ProgramKernelKey, program: RowProgram) -> list[tuple[tup
     inputs += list(key.row_inputs)
     for index in key.tangents:
         out = program.outputs[index]
-        inputs.append(((T, *_row_part(out.layout, V)), out.dtype))
+        inputs.append(((T, *_region.row_part(out.layout, V)), out.dtype))
     if key.need_weight:
         inputs.append(((V, H), key.acc_dtype))
     if key.need_bias:
         inputs.append(((V,), key.acc_dtype))
     return inputs
-
-
-def _row_part(layout: str, vocab_size: int) -> tuple[int, ...]:
-    return {"rows": (vocab_size,), "tokens1": (1,), "tokens": ()}[layout]
 
 
 def _joint(key: ProgramKernelKey, program: RowProgram):
@@ -189,7 +185,7 @@ def _run_tiles(
         onednn=onednn_gemms_apply(hidden.device),
     )
     outputs = [
-        hidden.new_empty((num_tokens, *_row_part(out.layout, vocab_size)), dtype=out.dtype)
+        hidden.new_empty((num_tokens, *_region.row_part(out.layout, vocab_size)), dtype=out.dtype)
         for out in program.outputs
     ] if keep_outputs else None  # fmt: skip
     grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
@@ -228,7 +224,9 @@ def _tile_of(t: torch.Tensor, start: int, stop: int, size: int, zeros: bool = Fa
 
 def _fake_outputs(program: RowProgram, hidden: torch.Tensor) -> list[torch.Tensor]:
     return [
-        hidden.new_empty((hidden.shape[0], *_row_part(out.layout, program.vocab_size)), dtype=out.dtype)
+        hidden.new_empty(
+            (hidden.shape[0], *_region.row_part(out.layout, program.vocab_size)), dtype=out.dtype
+        )
         for out in program.outputs
     ]
 
