@@ -498,8 +498,9 @@ def match_region(loss: torch.fx.Node) -> Region:
 
 def _no_op_redistribute(node: torch.fx.Node, previous: torch.fx.Node) -> bool:
     """``x.redistribute(...)`` of a DTensor that keeps its mesh and placements."""
-    if node.op != "call_method" or node.target != "redistribute":
-        return False
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if node.op not in ("call_method", "call_function") or name not in ("redistribute", "prim_redistribute"):
+        return False  # torch 2.11's Dynamo records the call as the function ``prim_redistribute``
     out, inp = _val(node), _val(previous)
     placements = [getattr(v, "placements", None) for v in (out, inp)]
     meshes = [getattr(v, "device_mesh", None) for v in (out, inp)]
@@ -514,7 +515,6 @@ def _tensor_parallel(region: Region) -> tuple[int, int, int] | None:
     if placements is None:
         return None
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh = weight.device_mesh
     if mesh.ndim != 1 or tuple(placements) != (Shard(0),):
@@ -534,8 +534,10 @@ def _tensor_parallel(region: Region) -> tuple[int, int, int] | None:
     if unsupported:
         raise _NoMatch(f"the vocabulary-sharded head has {', '.join(unsupported)}, which are not tiled in "
                        "tensor-parallel form yet")  # fmt: skip
-    (rows, _), (start, _) = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
-    return mesh.size(), int(start), int(rows)
+    from tile_pass.vocab_parallel import shard_rows
+
+    start, rows = shard_rows(int(weight.shape[0]), mesh.size(), mesh.get_local_rank())
+    return mesh.size(), start, rows
 
 
 def _tensor_parallel_text(tensor_parallel: tuple[int, int, int] | None) -> str:

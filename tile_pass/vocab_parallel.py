@@ -49,6 +49,15 @@ class _ShardKey:
     onednn: bool = False
 
 
+def shard_rows(vocab_size: int, degree: int, rank: int) -> tuple[int, int]:
+    """``(first row, rows)`` of ``rank``'s ``Shard(0)`` piece of ``vocab_size`` rows: DTensor
+    shards as ``torch.chunk`` does, ``ceil(V / degree)`` rows a rank, the last ones fewer (or
+    none). Plain arithmetic, so Dynamo traces it (torch 2.11 cannot trace DTensor's helper)."""
+    per_rank = -(-vocab_size // degree)
+    first = min(rank * per_rank, vocab_size)
+    return first, min(per_rank, vocab_size - first)
+
+
 def _group_sum(local: torch.Tensor, group_name: str) -> torch.Tensor:
     """The group-wide sum, differentiable as this rank's share (see the module docstring)."""
     share = local.detach()
@@ -212,7 +221,6 @@ def vocab_parallel_cross_entropy(
     targets replicated over that mesh (plain tensors or ``Replicate`` DTensors); called by
     :func:`tile_pass.linear_cross_entropy`."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh = weight.device_mesh
     if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
@@ -230,8 +238,10 @@ def vocab_parallel_cross_entropy(
     hidden = hidden.to_local() if isinstance(hidden, DTensor) else hidden
     target = target.to_local() if isinstance(target, DTensor) else target
     if shard is None:  # (group name, first row): the pass gives them, read before tracing
-        _, (vocab_start, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
-        shard = (mesh.get_group().group_name, int(vocab_start))
+        shard = (
+            mesh.get_group().group_name,
+            shard_rows(weight.shape[0], mesh.size(), mesh.get_local_rank())[0],
+        )
     group_name, vocab_start = shard
     local = weight.to_local()
     grad_on = torch.is_grad_enabled()
