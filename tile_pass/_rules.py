@@ -154,7 +154,7 @@ def bind(signature: inspect.Signature, node: torch.fx.Node) -> dict:
     try:
         bound = signature.bind(*node.args, **node.kwargs)
     except TypeError as err:
-        raise NoMatch(f"{describe(node)} has arguments its signature rejects ({err})") from None
+        raise NoMatch(f"{describe(node)} was called with arguments its signature rejects ({err})") from None
     bound.apply_defaults()
     return dict(bound.arguments)
 

@@ -243,6 +243,13 @@ class TileKernel:
         return losses, grad_hidden, kept, grad_weight
 
 
+def differentiable(tensors, needs) -> tuple[list, list[torch.Tensor]]:
+    """``tensors`` with each one ``needs`` marks replaced by a fresh leaf that requires grad, and
+    those leaves in order: what a tile function differentiates (call it under ``enable_grad``)."""
+    leaves = [t.detach().requires_grad_() if need else t for t, need in zip(tensors, needs, strict=True)]
+    return leaves, [t for t, need in zip(leaves, needs, strict=True) if need]
+
+
 def _joint_function(key: KernelKey):
     names = [name for name, _, _ in _inputs_of(key)]
 
@@ -254,17 +261,10 @@ def _joint_function(key: KernelKey):
         weight_acc, bias_acc = given.get("weight_acc"), given.get("bias_acc")
         weight_planes = given.get("weight_acc_hi"), given.get("weight_acc_lo")
 
-        wanted = []
         with torch.enable_grad():
-            if key.need_hidden:
-                hidden = hidden.detach().requires_grad_()
-                wanted.append(hidden)
-            if key.need_weight:
-                weight = weight.detach().requires_grad_()
-                wanted.append(weight)
-            if key.need_bias:
-                bias = bias.detach().requires_grad_()
-                wanted.append(bias)
+            (hidden, weight, bias), wanted = differentiable(
+                (hidden, weight, bias), (key.need_hidden, key.need_weight, key.need_bias)
+            )
             losses = key.head.token_losses(hidden, weight, bias, target, extras, key.keep_logits_after)
             losses, kept = losses if key.keep_logits_after >= 0 else (losses, None)
             grads = torch.autograd.grad((losses * coef).sum(), wanted) if wanted else ()

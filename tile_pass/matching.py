@@ -36,7 +36,7 @@ from tile_pass import _region_match, _weight_grad
 from tile_pass._fx import as_linear as _as_linear
 from tile_pass._fx import same as _same
 from tile_pass._fx import val as _val
-from tile_pass._rules import NoMatch
+from tile_pass._rules import NoMatch, bind
 from tile_pass._tile_kernel import encode_head_spec
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
 from tile_pass.report import GraphReport, Rewrite, Skip, source_line
@@ -127,24 +127,15 @@ def _describe(node: torch.fx.Node) -> str:
     return f"`{_name(node)}` at {source_line(node)}"
 
 
-def _bind(signature: inspect.Signature, node: torch.fx.Node, what: str) -> dict:
-    try:
-        bound = signature.bind(*node.args, **node.kwargs)
-    except TypeError as err:
-        raise _NoMatch(f"{what} was called with arguments its signature rejects ({err})") from None
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
 def _loss_options(loss: torch.fx.Node) -> tuple[dict, list[torch.fx.Node], list[list]]:
     """Normalised options of a cross_entropy (or log_softmax + nll_loss) node.
 
     Returns the options, the extra nodes to erase, and ops to append (a log_softmax upcast).
     """
     if loss.target is F.cross_entropy:
-        options = _bind(_CE_SIGNATURE, loss, "cross_entropy")
+        options = bind(_CE_SIGNATURE, loss)
         return options, [], []
-    options = _bind(_NLL_SIGNATURE, loss, "nll_loss")
+    options = bind(_NLL_SIGNATURE, loss)
     log_probs = options["input"]
     if not (
         isinstance(log_probs, torch.fx.Node)
@@ -152,7 +143,7 @@ def _loss_options(loss: torch.fx.Node) -> tuple[dict, list[torch.fx.Node], list[
         and log_probs.target in (F.log_softmax, torch.log_softmax, "log_softmax")
     ):
         raise _NoMatch(f"nll_loss's input comes from {_describe(log_probs)}, not from log_softmax")
-    ls_options = _bind(_LOG_SOFTMAX_SIGNATURE, log_probs, "log_softmax")
+    ls_options = bind(_LOG_SOFTMAX_SIGNATURE, log_probs)
     log_probs_val, dim = _val(log_probs), ls_options["dim"]
     if log_probs_val is None or not isinstance(dim, int) or dim % log_probs_val.dim() != 1:
         raise _NoMatch("log_softmax is not taken over the vocabulary dimension of [tokens, vocab]")

@@ -272,6 +272,12 @@ def _no_grads_for(numbers) -> list | None:
     return None if len(numbers) else []
 
 
+def _scaled(saved, grad_loss: torch.Tensor, need) -> list:
+    """Gradients formed in forward at unit upstream gradient, times the incoming scalar one
+    (the chain rule for a scalar loss), in their own dtypes; None where not needed."""
+    return [(g * grad_loss).to(g.dtype) if n else None for g, n in zip(saved, need, strict=True)]
+
+
 def _check_needed(ctx):
     for i, name in enumerate(("hidden", "weight", "bias")):
         if ctx.needs_input_grad[i] and not ctx.need[i]:
@@ -371,8 +377,7 @@ def _reduced_vjp(ctx, grad_loss, _grad_h, _grad_w, _grad_b, _grad_logits):
     # scales them by the incoming gradient.
     _check_needed(ctx)
     _refuse_double_backward()
-    saved = ctx.saved_tensors
-    grads = [(saved[i] * grad_loss).to(saved[i].dtype) if ctx.need[i] else None for i in range(3)]
+    grads = _scaled(ctx.saved_tensors, grad_loss, ctx.need)
     return (*grads, None, [None] * ctx.num_extras, None, ctx.constants_grad, *[None] * 9)
 
 

@@ -31,9 +31,15 @@ import torch
 
 from tile_pass import _region
 from tile_pass._region import RowProgram
-from tile_pass._tile_kernel import finish_tile_graph, onednn_gemms_apply, trace_fake, traced_once
+from tile_pass._tile_kernel import (
+    differentiable,
+    finish_tile_graph,
+    onednn_gemms_apply,
+    trace_fake,
+    traced_once,
+)
 from tile_pass._tiling import effective_tile
-from tile_pass.tiled_loss import _acc_dtype, _fake_grads, _grads_or_empty, _refuse_double_backward
+from tile_pass.tiled_loss import _acc_dtype, _fake_grads, _grads_or_empty, _refuse_double_backward, _scaled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,17 +94,10 @@ def _joint(key: ProgramKernelKey, program: RowProgram):
         tangents = [args.pop(0) for _ in key.tangents]
         weight_acc = args.pop(0) if key.need_weight else None
         bias_acc = args.pop(0) if key.need_bias else None
-        wanted = []
         with torch.enable_grad():
-            if key.need_hidden:
-                hidden = hidden.detach().requires_grad_()
-                wanted.append(hidden)
-            if key.need_weight:
-                weight = weight.detach().requires_grad_()
-                wanted.append(weight)
-            if key.need_bias:
-                bias = bias.detach().requires_grad_()
-                wanted.append(bias)
+            (hidden, weight, bias), wanted = differentiable(
+                (hidden, weight, bias), (key.need_hidden, key.need_weight, key.need_bias)
+            )
             outputs = _region.run_program(program, hidden, weight, bias, token_inputs, row_inputs)
             grads = [None] * len(wanted)
             if wanted and key.tangents:
@@ -306,10 +305,7 @@ def _loss_vjp(ctx, grads):
     # Glue, not a gradient formula: the gradients were derived in forward at unit upstream
     # gradient; the loss is a scalar, so the chain rule scales them by the incoming gradient.
     _refuse_double_backward()
-    grad_loss = grads[0]
-    saved = ctx.saved_tensors
-    result = [(saved[i] * grad_loss).to(saved[i].dtype) if ctx.need[i] else None for i in range(3)]
-    return (*result, *([None] * count for count in ctx.counts))
+    return (*_scaled(ctx.saved_tensors, grads[0], ctx.need), *([None] * count for count in ctx.counts))
 
 
 _row_region_loss.register_autograd(_loss_vjp, setup_context=_loss_setup_context)

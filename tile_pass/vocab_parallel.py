@@ -24,9 +24,15 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from tile_pass._tile_kernel import finish_tile_graph, onednn_gemms_apply, trace_fake, traced_once
+from tile_pass._tile_kernel import (
+    differentiable,
+    finish_tile_graph,
+    onednn_gemms_apply,
+    trace_fake,
+    traced_once,
+)
 from tile_pass._tiling import effective_tile
-from tile_pass.tiled_loss import _refuse_double_backward
+from tile_pass.tiled_loss import _refuse_double_backward, _scaled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,14 +90,8 @@ def _token_losses(key: _ShardKey, hidden, weight, target):
 
 def _joint(key: _ShardKey):
     def joint(hidden, weight, target, coef, *accumulators):
-        wanted = []
         with torch.enable_grad():
-            if key.need_hidden:
-                hidden = hidden.detach().requires_grad_()
-                wanted.append(hidden)
-            if key.need_weight:
-                weight = weight.detach().requires_grad_()
-                wanted.append(weight)
+            (hidden, weight), wanted = differentiable((hidden, weight), (key.need_hidden, key.need_weight))
             losses = _token_losses(key, hidden, weight, target)
             grads = list(torch.autograd.grad((losses * coef).sum(), wanted)) if wanted else []
         grad_hidden = grads.pop(0) if key.need_hidden else None
@@ -192,12 +192,7 @@ def _vjp(ctx, grad_loss, _grad_hidden, _grad_weight):
     # Glue, not a gradient formula: the gradients were derived in forward at unit upstream
     # gradient; the loss is a scalar, so the chain rule scales them by the incoming gradient.
     _refuse_double_backward()
-    grad_hidden, grad_weight = ctx.saved_tensors
-    return (
-        (grad_hidden * grad_loss).to(grad_hidden.dtype) if ctx.need[0] else None,
-        (grad_weight * grad_loss).to(grad_weight.dtype) if ctx.need[1] else None,
-        None,
-    )
+    return (*_scaled(ctx.saved_tensors, grad_loss, ctx.need), None)
 
 
 _vocab_parallel_ce.register_autograd(_vjp, setup_context=_setup_context)
