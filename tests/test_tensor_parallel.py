@@ -3,6 +3,7 @@ derived gradients equal single-process float64 eager on the whole head."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
@@ -23,6 +24,17 @@ CASES = [
 ]
 
 
+@contextlib.contextmanager
+def _process_group(rank: int, port: int, world: int = WORLD):
+    """A gloo group for one spawned rank, destroyed however the body ends."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def _data():
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(N, H, generator=g)
@@ -38,9 +50,7 @@ def _worker(rank, port, outdir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
+    with _process_group(rank, port):
         mesh = init_device_mesh("cpu", (WORLD,))
         results = []
         for case in CASES:
@@ -75,8 +85,6 @@ def _worker(rank, port, outdir):
             tile_pass.linear_cross_entropy(_data()[0], distribute_tensor(_data()[1], mesh, [Replicate()]),
                                            _data()[2])  # fmt: skip
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _reference(case):
@@ -157,9 +165,7 @@ def _mesh_worker(rank, port, outdir):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=60))
-    try:
+    with _process_group(rank, port, world=4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         torch.manual_seed(0)
         model = _LM()
@@ -172,8 +178,6 @@ def _mesh_worker(rank, port, outdir):
         loss.backward()
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
         torch.save({"loss": loss.detach(), "grads": grads}, os.path.join(outdir, f"mesh{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
@@ -211,9 +215,7 @@ def _titan_worker(rank, port, outdir):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
+    with _process_group(rank, port):
         mesh = init_device_mesh("cpu", (WORLD,))
         model = _titan_model()
         parallelize_module(
@@ -231,8 +233,6 @@ def _titan_worker(rank, port, outdir):
         grads = {name: _whole(p.grad) for name, p in model.named_parameters()}
         result = {"loss": loss.full_tensor().detach(), "grads": grads, "report": backend.report().to_dict()}
         torch.save(result, os.path.join(outdir, f"titan{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
@@ -283,9 +283,7 @@ def _llama_worker(rank, port, outdir):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
+    with _process_group(rank, port):
         mesh = init_device_mesh("cpu", (WORLD,))
         model = _llama()
         plan = {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
@@ -305,8 +303,6 @@ def _llama_worker(rank, port, outdir):
         params = {name: _whole(p.detach()) for name, p in model.named_parameters()}
         result = {"losses": losses, "params": params, "report": backend.report().to_dict()}
         torch.save(result, os.path.join(outdir, f"llama{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
