@@ -60,6 +60,27 @@ def test_split_sum_is_the_float32_sum_bit_for_bit(device, dtype, monkeypatch):
     torch.testing.assert_close(result, reference.to(dtype), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [40, 39])  # paired int32 words; an odd row takes the 16-bit path
+def test_compiled_split_add_is_the_float32_add_bit_for_bit(device, dtype, width):
+    """The add a compiled tile runs (one Inductor kernel over int32 words) rounds nowhere."""
+    g = torch.Generator().manual_seed(1)
+    shape = (23, width)
+    hi, lo = _weight_grad.zeros(shape, device)
+    scratch = [torch.empty_like(hi), torch.empty_like(lo), torch.empty(shape, dtype=dtype, device=device)]
+    add = _tile_kernel._compiled_split_add(*scratch)  # tracing runs it on its example inputs
+    reference = torch.zeros(shape, device=device)
+    for step in range(4):
+        x = special_values(shape, g) if step % 2 else torch.randn(shape, generator=g) * 1e3
+        x = x.to(device, dtype)
+        add(hi, lo, x)
+        reference.add_(x)
+        torch.testing.assert_close(
+            _weight_grad._as_float32(hi, lo), reference, rtol=0, atol=0, equal_nan=True
+        )
+
+
 def run(dtype, device, compile_tiles, pattern, seed=0):
     g = torch.Generator().manual_seed(seed)
     n, h, v = 150, 32, 300

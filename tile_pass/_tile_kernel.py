@@ -730,17 +730,24 @@ class _BlockedSplitAccumulate(torch.nn.Module):
 
 
 def _compiled_split_add(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
-    """:func:`tile_pass._weight_grad.split_add_` compiled by Inductor, once per layout (one
-    fused pass over a block: read both planes and the product, write both planes)."""
-    layout = ("split",) + tuple((t.shape, t.stride(), t.dtype, t.device) for t in (hi, lo, x))
+    """:func:`tile_pass._weight_grad.split_add_` compiled by Inductor, once per layout: one
+    fused, vectorized pass over a block (read both planes and the product, write both
+    planes), on the planes' int32 words where the rows pair up."""
+    words = _weight_grad.as_words(hi, lo, x)
+    add, operands = (
+        (_weight_grad.add_words_, words) if words is not None else (_weight_grad.split_add_, (hi, lo, x))
+    )
+    layout = ("split",) + tuple((t.shape, t.stride(), t.dtype, t.device) for t in operands)
     compiled = _compiled_adds.get(layout)
     if compiled is None:
         from torch._inductor.compile_fx import compile_fx
 
-        add = make_fx(_weight_grad.split_add_)(hi, lo, x)
+        traced = make_fx(add)(*operands)
         with torch.no_grad():
-            compiled = _compiled_adds.put(layout, compile_fx(add, [hi, lo, x]))
-    return compiled
+            compiled = _compiled_adds.put(layout, compile_fx(traced, list(operands)))
+    if words is None:
+        return compiled
+    return lambda hi, lo, x: compiled(*_weight_grad.as_words(hi, lo, x))
 
 
 class _SplitAddByBlockHeight:

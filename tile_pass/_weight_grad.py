@@ -100,9 +100,59 @@ def _store(hi: torch.Tensor, lo: torch.Tensor, value: torch.Tensor) -> None:
     lo.copy_(bits.to(torch.int16))  # the low 16 bits (int32 -> int16 keeps them)
 
 
+#: ``0xFFFF0000`` as an int32: the upper half of a 32-bit word
+_UPPER = -65536
+
+
+def add_words_(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor) -> None:
+    """:func:`split_add_` on planes viewed as int32 words (see :func:`as_words`).
+
+    Compilers for the CPU vectorize 32-bit integer and float lanes but not 16-bit integer
+    ones (Inductor's C++ backend emits a scalar loop for int16), so the planes are read and
+    written as words holding elements ``2k`` (lower half, little-endian) and ``2k + 1``
+    (upper half); every bit lands where :func:`_store` puts it. A bfloat16 ``x``, also in
+    words, is widened by shifting its bits (what the conversion to float32 does), so the
+    add is one vectorized pass that moves the float32 schedule's bytes.
+    """
+    if x.dtype == torch.int32:  # bfloat16 pairs
+        x_even, x_odd = (x << 16).view(torch.float32), (x & _UPPER).view(torch.float32)
+    else:
+        wide = x.to(torch.float32)
+        x_even, x_odd = wide[..., 0::2], wide[..., 1::2]
+    even = ((hi << 16) | (lo & 0xFFFF)).view(torch.float32) + x_even
+    odd = ((hi & _UPPER) | ((lo >> 16) & 0xFFFF)).view(torch.float32) + x_odd
+    even_bits, odd_bits = even.view(torch.int32), odd.view(torch.int32)
+    hi.copy_(((even_bits >> 16) & 0xFFFF) | (odd_bits & _UPPER))
+    lo.copy_((even_bits & 0xFFFF) | (odd_bits << 16))
+
+
+def as_words(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
+    """``(hi, lo, x)`` as :func:`add_words_` takes them, or ``None`` where the rows cannot be
+    paired (an odd or strided last dimension). The views are taken outside any compiled
+    kernel: a reinterpretation to a wider dtype inside one costs a copy."""
+    pairable = (
+        hi.dim() > 0
+        and hi.shape[-1] % 2 == 0
+        and hi.is_contiguous()
+        and lo.is_contiguous()
+        and x.shape == hi.shape
+    )
+    if not pairable:
+        return None
+    if x.dtype == torch.bfloat16:
+        if not x.is_contiguous():
+            return None
+        x = x.view(torch.int32)
+    return hi.view(torch.int32), lo.view(torch.int32), x
+
+
 def split_add_(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor) -> None:
     """``sum += x`` in float32 on the two planes of ``sum``, in place (any shape)."""
-    _store(hi, lo, _as_float32(hi, lo) + x.to(torch.float32))
+    words = as_words(hi, lo, x)
+    if words is not None:
+        add_words_(*words)
+    else:
+        _store(hi, lo, _as_float32(hi, lo) + x.to(torch.float32))
 
 
 def _blocks(rows: int, row_bytes: int):
