@@ -174,6 +174,9 @@ PER_TOKEN, SHAPE = 32000 * 2, (32000, 1024)  # compiled bf16 tiles at V=32000, H
         (1024, 256, None, torch.bfloat16, (256, "split")),  # explicit tiles are kept
         (4096, 256, 4096, torch.bfloat16, (256, "split")),
         (1024, 256, 2048, torch.float32, (256, "float32")),  # float32 weights: the sum is the gradient
+        # past the budget's largest tile (512) but under the plane it would need: one tile
+        (1024, 256, 512, torch.bfloat16, (1024, "direct")),
+        (1500, 256, 512, torch.bfloat16, (256, "split")),  # padded to 2048: 125 MiB > 62.5 + 15.6
     ],
 )
 def test_plan_runs_small_half_precision_batches_as_one_tile(num_tokens, tile, largest, dtype, expected):

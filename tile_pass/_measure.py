@@ -53,6 +53,13 @@ def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
 
 
+def lm_head_loss_no_upcast(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The pattern without the upcast: cross entropy on logits in the model dtype (eager
+    computes it in float32 internally and returns the model dtype)."""
+    logits = F.linear(hidden, weight)
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
 def z_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross entropy plus PaLM's z-loss: the logits read twice (the loss and their log-sum-exp)."""
     logits = F.linear(hidden, weight).float()
@@ -85,7 +92,13 @@ def entropy_bonus(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
 
 
 #: the loss forms the step and the benchmark measure, by name
-LOSS_FORMS = {"ce": lm_head_loss, "ce_zloss": z_loss, "grpo": grpo_log_probs, "entropy": entropy_bonus}
+LOSS_FORMS = {
+    "ce": lm_head_loss,
+    "ce_nocast": lm_head_loss_no_upcast,
+    "ce_zloss": z_loss,
+    "grpo": grpo_log_probs,
+    "entropy": entropy_bonus,
+}
 
 
 def _rss_kib(field: str) -> int:

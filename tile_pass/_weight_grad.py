@@ -67,22 +67,23 @@ def plan(
     no sum across tiles: the tile's own GEMM forms the weight gradient with float32
     accumulation and rounds it once, as eager does (``direct``). Float32 weights keep their
     in-place sum, which is the gradient itself.
-    With automatic tiles (``largest_tile`` given) a half-precision batch that fits the budget
-    also runs as one tile when that holds fewer bytes than the split sum's low plane plus the
-    smaller tiles: ``P * per_token < 2 * V * H + tile * per_token`` (``P``: the batch padded to
-    a power of two). That is the small batches, where the logits are small next to the head.
+    With automatic tiles (``largest_tile`` given) a half-precision batch also runs as one tile
+    when that holds fewer bytes than the split sum's low plane plus the smaller tiles:
+    ``P * per_token < 2 * V * H + tile * per_token`` (``P``: the batch padded to a power of
+    two). That is the small batches, where the logits are small next to the head; the budget
+    bounds the tiles of the split schedule, and this one tile holds less than they do with
+    the plane they need, so it may exceed the budget.
     """
     schedule = schedule_for(weight_dtype, acc_dtype)
     if schedule != "split":  # float32 weights: the sum is the gradient; or the float32 schedule was asked for
         return tile, schedule
     if num_tokens <= tile:
         return tile, "direct"
-    if largest_tile is None or num_tokens > largest_tile:
+    if largest_tile is None:
         return tile, schedule
     padded = 16
     while padded < num_tokens:
         padded *= 2
-    padded = min(padded, largest_tile)
     low_plane = 2 * weight_shape[0] * weight_shape[1]
     if padded * tile_bytes_per_token < low_plane + tile * tile_bytes_per_token:
         return padded, "direct"

@@ -103,6 +103,8 @@ def _run_tiles(
         keep_logits_after,
     )  # fmt: skip
     rows = None if head.soft_targets else _labelled_rows(target, head.ignore_index, keep_logits_after)
+    if rows is not None and _plan(tiles, coef.dtype, rows.numel())[0] >= target.numel():
+        rows = None  # one tile at least as large as the batch: leaving tokens out saves no GEMM
     if rows is None:
         return _run_tile_loop(tiles, hidden, target, coef, token_losses_out, logits_out)
     losses = None if token_losses_out is None else token_losses_out.new_empty(rows.shape)
@@ -126,6 +128,20 @@ def _labelled_rows(target: torch.Tensor, ignore_index: int, keep_logits_after: i
     return None if rows.numel() == target.numel() else rows
 
 
+def _plan(tiles: _Tiles, acc_dtype: torch.dtype, num_tokens: int) -> tuple[int, str]:
+    """The tile and the weight-gradient schedule for ``num_tokens`` rows."""
+    tile = effective_tile(num_tokens, tiles.tile_tokens)
+    if not tiles.need_weight:
+        return tile, "float32"
+    weight = tiles.weight
+    upcast = any(op[0] == "cast" for op in tiles.head.ops)
+    tile_tokens = tiles.tile_tokens
+    return _weight_grad.plan(
+        num_tokens, tile, -tile_tokens if tile_tokens < 0 else None, tuple(weight.shape), weight.dtype,
+        acc_dtype, tile_bytes_per_token(weight.shape[0], weight.dtype, upcast, tiles.compile_tiles),
+    )  # fmt: skip
+
+
 def _run_tile_loop(
     tiles: _Tiles,
     hidden: torch.Tensor,
@@ -136,21 +152,10 @@ def _run_tile_loop(
 ):
     weight, bias, extras, head = tiles.weight, tiles.bias, tiles.extras, tiles.head
     need_hidden, need_weight, need_bias = tiles.need_hidden, tiles.need_weight, tiles.need_bias
-    tile_tokens, compile_tiles, keep_logits_after = (
-        tiles.tile_tokens,
-        tiles.compile_tiles,
-        tiles.keep_logits_after,
-    )
+    compile_tiles, keep_logits_after = tiles.compile_tiles, tiles.keep_logits_after
     num_tokens, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
-    tile = effective_tile(num_tokens, tile_tokens)
-    schedule = "float32"
-    if need_weight:
-        upcast = any(op[0] == "cast" for op in head.ops)
-        tile, schedule = _weight_grad.plan(
-            num_tokens, tile, -tile_tokens if tile_tokens < 0 else None, tuple(weight.shape), weight.dtype,
-            coef.dtype, tile_bytes_per_token(vocab_size, weight.dtype, upcast, compile_tiles),
-        )  # fmt: skip
+    tile, schedule = _plan(tiles, coef.dtype, num_tokens)
     key = KernelKey(
         head=head,
         tile=tile,
@@ -173,7 +178,8 @@ def _run_tile_loop(
     )
     acc = coef.dtype
     total = hidden.new_zeros((), dtype=acc)
-    grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
+    whole = num_tokens == tile  # one tile, no padding: its hidden gradient is the result
+    grad_hidden = hidden.new_empty(hidden.shape) if need_hidden and not whole else None
     if schedule == "split":  # the float32 sum as two 16-bit planes (see _weight_grad)
         weight_acc = _weight_grad.zeros(weight.shape, weight.device)
     elif schedule == "direct":  # the only tile returns it
@@ -208,7 +214,9 @@ def _run_tile_loop(
         total += losses[:rows].sum(dtype=acc)  # padding rows are not tokens (soft targets smooth them)
         if token_losses_out is not None:
             token_losses_out[start:stop] = losses[:rows]
-        if grad_hidden is not None:
+        if need_hidden and whole:
+            grad_hidden = grad_h_t.to(hidden.dtype)
+        elif grad_hidden is not None:
             grad_hidden[start:stop] = grad_h_t[:rows]
     if schedule == "split":  # rounded once into the weight dtype, over the high plane
         weight_acc = _weight_grad.finish(*weight_acc, weight.dtype)
