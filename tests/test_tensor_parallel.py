@@ -258,12 +258,12 @@ def test_torchtitan_loss_parallel_step_is_rewritten_and_exact(tmp_path):
 STEPS = 3
 
 
-def _llama():
+def _llama(tied: bool = False):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, pad_token_id=0, eos_token_id=1,
+        num_key_value_heads=1, pad_token_id=0, eos_token_id=1, tie_word_embeddings=tied,
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(config)
     model.loss_type = "ForCausalLM"  # no logging property in the traced forward
@@ -278,16 +278,25 @@ def _llama_batch():
     return ids, labels
 
 
-def _llama_worker(rank, port, outdir):
+def _llama_worker(rank, port, outdir, tied):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        loss_parallel,
+        parallelize_module,
+    )
 
     with _process_group(rank, port):
         mesh = init_device_mesh("cpu", (WORLD,))
-        model = _llama()
+        model = _llama(tied)
         plan = {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        if tied:  # the embedding shards the same [V, H] weight over the vocabulary (Shard(0))
+            plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         parallelize_module(model, mesh, plan)
+        if tied:  # each style made its own DTensor parameter: tie them again
+            model.lm_head.weight = model.model.embed_tokens.weight
         backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
         step = torch.compile(lambda ids, labels: model(input_ids=ids, labels=labels).loss, backend=backend)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -306,9 +315,10 @@ def _llama_worker(rank, port, outdir):
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
-def test_llama_with_a_tensor_parallel_head_trains_like_eager(tmp_path):
-    reference = _llama().double()
-    spawn(_llama_worker, (_free_port(), str(tmp_path)))
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])
+def test_llama_with_a_tensor_parallel_head_trains_like_eager(tmp_path, tied):
+    reference = _llama(tied).double()
+    spawn(_llama_worker, (_free_port(), str(tmp_path), tied))
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     ids, labels = _llama_batch()
     losses = []
