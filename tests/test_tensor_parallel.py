@@ -293,7 +293,8 @@ def _llama_worker(rank, port, outdir, tied):
         model = _llama(tied)
         plan = {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
         if tied:  # the embedding shards the same [V, H] weight over the vocabulary (Shard(0))
-            plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            embedding = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            plan["model.embed_tokens"] = embedding
         parallelize_module(model, mesh, plan)
         if tied:  # each style made its own DTensor parameter: tie them again
             model.lm_head.weight = model.model.embed_tokens.weight
@@ -417,3 +418,87 @@ def test_llama_on_a_two_d_mesh_through_the_pass_trains_like_eager(tmp_path):
         assert results[0]["losses"][step] == pytest.approx(results[1]["losses"][step], rel=1e-6)
         global_loss = (results[0]["losses"][step] + results[2]["losses"][step]) / 2
         assert global_loss == pytest.approx(losses[step], rel=1e-5)
+
+
+# ------------------------- row-wise regions of a vocabulary-sharded head, through the backend
+
+
+def _zloss(logits, labels):
+    return F.cross_entropy(logits, labels) + 1e-2 * logits.logsumexp(-1).pow(2).mean()
+
+
+def _entropy_bonus(logits, labels):  # softmax and log_softmax of the shard, multiplied, summed
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    return F.cross_entropy(logits, labels) - 0.1 * entropy.mean()
+
+
+def _token_log_probs(logits, labels):  # returned per token (a policy-gradient step's log-probs)
+    return -F.cross_entropy(logits, labels, reduction="none")
+
+
+def _advantage_weighted(log_probs, labels):
+    mask = (labels != -100).to(log_probs.dtype)
+    advantages = torch.linspace(-1.0, 1.0, log_probs.shape[0], dtype=log_probs.dtype)
+    return -(log_probs * mask * advantages).sum() / mask.sum()
+
+
+ROW_FORMS = {"zloss": _zloss, "entropy": _entropy_bonus, "log_probs": _token_log_probs}
+
+
+def _row_forms_worker(rank, port, outdir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+    with _process_group(rank, port):
+        mesh = init_device_mesh("cpu", (WORLD,))
+        results = {}
+        for name, form in ROW_FORMS.items():
+            model = _titan_model()
+            parallelize_module(
+                model, mesh, {"1": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+            )
+            ids, labels = _batch()
+
+            def step(ids, labels, model=model, form=form):
+                return form(model(ids).flatten(0, 1).float(), labels.flatten(0, 1))
+
+            backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
+            with loss_parallel():
+                out = torch.compile(step, backend=backend)(ids, labels)
+                if name == "log_probs":  # the loss is taken outside the compiled step
+                    out = _advantage_weighted(out.full_tensor(), labels.flatten(0, 1))
+                out.backward()
+            results[name] = {
+                "loss": _whole(out).detach(),
+                "grads": {n: _whole(p.grad) for n, p in model.named_parameters()},
+                "report": backend.report().to_dict(),
+            }
+        torch.save(results, os.path.join(outdir, f"rows{rank}.pt"))
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_row_wise_regions_of_a_sharded_head_are_tiled_and_exact(tmp_path):
+    """z-loss, an entropy bonus (softmax x log_softmax) and returned per-token log-probs on a
+    vocabulary-sharded head: each is one tiled region on every rank, and loss and gradients
+    equal float64 eager on the whole head (the group-wide sums and their derived gradients,
+    including the shares of a per-token value that re-enters the rows)."""
+    spawn(_row_forms_worker, (_free_port(), str(tmp_path)))
+    results = [torch.load(tmp_path / f"rows{rank}.pt") for rank in range(WORLD)]
+    for name, form in ROW_FORMS.items():
+        reference = _titan_model().double()
+        ids, labels = _batch()
+        loss = form(reference(ids).flatten(0, 1), labels.flatten(0, 1))
+        if name == "log_probs":
+            loss = _advantage_weighted(loss, labels.flatten(0, 1))
+        loss.backward()
+        for rank in range(WORLD):
+            result = results[rank][name]
+            rewrites = result["report"]["rewrites"]
+            assert len(rewrites) == 1 and "tensor-parallel: degree 2" in rewrites[0]["form"], result["report"]
+            torch.testing.assert_close(result["loss"].double(), loss.detach(), rtol=2e-6, atol=0)
+            for n, param in reference.named_parameters():
+                torch.testing.assert_close(
+                    result["grads"][n].double(), param.grad, rtol=1e-5, atol=1e-7,
+                    msg=lambda m, n=n, r=rank, f=name: f"{f} rank {r} {n}: {m}",
+                )  # fmt: skip

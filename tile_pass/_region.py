@@ -103,6 +103,9 @@ class RowProgram:
     #: ignore_index or None), checked before the tiles on CPU
     index_checks: tuple[tuple[int, str, int | None], ...] = ()
     reduction: ReductionProgram | None = None
+    #: a vocabulary-sharded head: (process group name, this rank's first row, the whole
+    #: vocabulary); ``vocab_size`` is then this rank's rows
+    shard: tuple[str, int, int] | None = None
     form: str = ""
     key: str = field(default="", compare=False)
 

@@ -200,6 +200,87 @@ def describe_output(output: RegionOutput) -> str:
     return f"{output.node.name} ({what}{', differentiable' if output.differentiable else ''})"
 
 
+def _vocab_shard(hidden, weight, out) -> tuple[str, int, int]:
+    """``(group name, first row, rows)`` of this rank's piece of a vocabulary-sharded head
+    (torchtitan's ``ColwiseParallel(output_layouts=Shard(-1))``); ``NoMatch`` otherwise."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from tile_pass.vocab_parallel import shard_rows
+
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None or mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise NoMatch(
+            "the DTensor LM head is not sharded over the vocabulary (Shard(0)) on a 1-D tensor-parallel mesh"
+        )
+    if tuple(getattr(hidden, "placements", ())) != (Replicate(),) or hidden.device_mesh != mesh:
+        raise NoMatch("the hidden states of the vocabulary-sharded head are not replicated over its mesh")
+    if tuple(getattr(out, "placements", ())) not in ((Shard(out.dim() - 1),), (Shard(-1),)):
+        raise NoMatch("the vocabulary-sharded head's logits are not sharded over the vocabulary")
+    start, rows = shard_rows(int(weight.shape[0]), mesh.size(), mesh.get_local_rank())
+    return mesh.get_group().group_name, start, rows
+
+
+def _no_op_redistribute(node: torch.fx.Node) -> bool:
+    from tile_pass.matching import _no_op_redistribute as same_placement
+
+    return bool(node.args) and isinstance(node.args[0], torch.fx.Node) and same_placement(node, node.args[0])
+
+
+#: the steps over the vocabulary a sharded region must replace by their group-wide form
+_VOCAB_METHODS = frozenset({"sum", "mean", "logsumexp", "amax", "amin", "max", "min", "argmax", "argmin"})
+_VOCAB_FUNCTIONS = (F.log_softmax, F.softmax, torch.gather, F.cross_entropy, F.nll_loss, F.kl_div)
+
+
+def _shard_program_steps(matcher) -> list[Step]:
+    """The region's steps on this rank's ``[tile, V_r]`` logits: each step over the vocabulary
+    in its group-wide form (``tile_pass.vocab_parallel.shard_step``), reshapes of rows to the
+    shard's width; ``NoMatch`` naming what has no sharded form."""
+    from tile_pass.vocab_parallel import shard_elementwise, shard_step
+
+    group_name, start, rows = matcher.shard
+    if matcher.autocast_dtype is not None:
+        raise NoMatch("autocast around a vocabulary-sharded head is not tiled in tensor-parallel form yet")
+    if matcher.bias is not None:
+        raise NoMatch("a vocabulary-sharded head with a bias is not tiled in tensor-parallel form yet")
+    for token_input in matcher.token_inputs:
+        if token_input.part:
+            raise NoMatch("a [tokens, V] operand (a teacher's logits) is not sharded with the head yet")
+    if any(not row.zero_dim for row in matcher.row_inputs):
+        raise NoMatch("a [V] operand of the logits is not sharded with the head yet")
+    steps = []
+    for step, layout in zip(matcher.steps, matcher.step_layouts, strict=True):
+        source = step.args[0] if step.args else None
+        reads_rows = (
+            isinstance(source, Ref) and source.kind == "value"
+            and (source.index == 0 or matcher.step_layouts[source.index - 1].kind == "rows")
+        )  # fmt: skip
+        over_vocab = (step.op == "call_method" and step.target in _VOCAB_METHODS) or (
+            step.op == "call_function" and step.target in _VOCAB_FUNCTIONS
+        )
+        if reads_rows and over_vocab:
+            sharded = shard_step(step, group_name, start, int(matcher.vocab))
+            if sharded is None:
+                raise NoMatch(f"{step.describe()} ({step.source}) has no tensor-parallel form yet")
+            step = sharded
+        elif reads_rows and step.target == "reshape" and layout.kind == "rows":
+            args = (*step.args[:-1], rows)
+            step = Step(step.op, step.target, args, step.kwargs, step.autocast, step.source)
+        elif layout.kind == "rows":  # an elementwise step of the rows
+            replicated = tuple(
+                i for i, a in enumerate(step.args)
+                if isinstance(a, Ref) and a.kind == "value" and a.index > 0
+                and matcher.step_layouts[a.index - 1].kind in ("tokens", "tokens1")
+            )  # fmt: skip
+            if any(isinstance(v, Ref) and v.kind == "value" for _, v in step.kwargs):
+                raise NoMatch(f"{step.describe()} ({step.source}) takes a computed value by keyword")
+            if replicated:
+                step = Step("call_function", shard_elementwise,
+                            (step.target, step.op, replicated, group_name, *step.args), step.kwargs,
+                            step.autocast, step.source)  # fmt: skip
+        steps.append(step)
+    return steps
+
+
 class _Matcher:
     """Phases 2-4 for one projection (see the module docstring)."""
 
@@ -212,11 +293,9 @@ class _Matcher:
         hidden_val, weight_val, out_val = val(self.hidden), val(self.weight), val(projection)
         if hidden_val is None or weight_val is None or out_val is None or weight_val.dim() != 2:
             raise NoMatch("the projection's inputs carry no shape information")
+        self.shard = None  # (group name, first row, rows) of a vocabulary-sharded head
         if any(hasattr(v, "placements") for v in (hidden_val, weight_val, out_val)):
-            raise NoMatch(
-                "the LM head is a DTensor (tensor parallel): only its cross entropy, without other readers "
-                "of the logits, is tiled in tensor-parallel form yet"
-            )
+            self.shard = _vocab_shard(hidden_val, weight_val, out_val)
         self.vocab, hidden_size = weight_val.shape
         if not same(hidden_val.shape[-1], hidden_size) or not same(out_val.shape[-1], self.vocab):
             raise NoMatch("the hidden states do not match the LM-head weight")
@@ -238,6 +317,7 @@ class _Matcher:
             projection: (0, Layout("rows", self.hidden_tokens))
         }
         self.steps: list[Step] = []
+        self.step_layouts: list[Layout] = []  # the layout of each step's value
         self.nodes: list[torch.fx.Node] = []
         self.token_inputs: list[TokenInput] = []
         self.row_inputs: list[RowInput] = []
@@ -540,6 +620,10 @@ class _Matcher:
                     f"{describe(node)} reads a value computed from the logits outside the region"
                 )
                 continue
+            if self.shard is not None and _no_op_redistribute(node):
+                self.values[node] = self.values[node.args[0]]  # ColwiseParallel's output hook
+                self.nodes.append(node)
+                continue
             try:  # a loss-like op reading the region's values: this projection is a head
                 self.head_signs |= node.target in _HEAD_SIGNS
             except TypeError:  # an unhashable target
@@ -556,6 +640,7 @@ class _Matcher:
                     step = Step(step.op, step.target, (Ref("value", index - 1), *step.args[1:]), step.kwargs,
                                 step.autocast, step.source)  # fmt: skip
                 self.steps.append(step)
+                self.step_layouts.append(entry.layout)
                 self.values[node] = (index, entry.layout)
                 if entry.after_tiles is not None:  # its readers see the reduced value
                     self.after[node] = (entry.after_tiles, entry.layout)
@@ -738,10 +823,19 @@ def match_row_region(
     if reduction is not None:
         nodes, steps, sink, inputs, result = reduction
         reduction_program = ReductionProgram(tuple(steps), result, val(sink).dtype)
+    steps, vocab_size, shard = tuple(matcher.steps), int(matcher.vocab), None
+    if matcher.shard is not None:
+        if any(o.layout.kind == "rows" for o in outputs):
+            raise NoMatch("logits returned from a vocabulary-sharded head are not tiled in tensor-parallel "
+                          "form yet")  # fmt: skip
+        steps = tuple(_shard_program_steps(matcher))
+        vocab_size = matcher.shard[2]
+        shard = (matcher.shard[0], matcher.shard[1], int(matcher.vocab))
     program = _region.register(RowProgram(
-        steps=tuple(matcher.steps),
+        steps=steps,
         outputs=program_outputs,
-        vocab_size=int(matcher.vocab),
+        vocab_size=vocab_size,
+        shard=shard,
         token_layouts=tuple(
             {(): "tokens", (1,): "tokens1"}.get(t.part, "rows") for t in matcher.token_inputs
         ),
@@ -838,6 +932,8 @@ def rewrite_row_region(
         row_nodes = [
             graph.call_method("reshape", (r.node, () if r.zero_dim else (-1,))) for r in region.row_inputs
         ]
+        if region.program.shard is not None:
+            from tile_pass.vocab_parallel import run_sharded_region as run_region
         call = graph.call_function(
             run_region,
             (hidden, weight, bias, token_nodes, row_nodes, list(region.reduce_inputs)),

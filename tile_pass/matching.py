@@ -843,15 +843,19 @@ def _rewrite_row_regions(
         returned = [_val(o.node) for o in region.outputs if o.layout.kind == "rows"]
         kept = sum(value.numel() * value.element_size() for value in returned)
         outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
+        shard = region.program.shard  # a vocabulary-sharded head: bytes are this rank's
+        parallel = "" if shard is None else _tensor_parallel_text(
+            (_val(region.weight).device_mesh.size(), shard[1], vocab)
+        )  # fmt: skip
         report.rewrites.append(
             Rewrite(
                 graph=report.index,
                 matmul_source=source_line(region.projection),
                 loss_source=loss_line,
-                form=region.program.form + f" => {outputs}",
+                form=region.program.form + f" => {outputs}" + parallel,
                 num_tokens=_plain(num_tokens),
                 hidden_size=_plain(_val(region.weight).shape[1]),
-                vocab_size=_plain(vocab),
+                vocab_size=_plain(vocab if shard is None else shard[2]),
                 dtype=str(dtype).replace("torch.", ""),
                 reduction=(
                     "one scalar loss (its gradient formed in forward)"

@@ -134,7 +134,8 @@ def _check_indices(program: RowProgram, token_inputs: list[torch.Tensor]) -> Non
         index = token_inputs[position]
         if index.device.type != "cpu" or index.numel() == 0:
             continue
-        bad = (index < 0) | (index >= program.vocab_size)
+        vocab_size = program.shard[2] if program.shard is not None else program.vocab_size
+        bad = (index < 0) | (index >= vocab_size)
         if ignore_index is not None:
             bad &= index != ignore_index
         if bad.any():
@@ -206,6 +207,9 @@ def _run_tiles(
                 out[start:stop] = value[:rows]
         if need_hidden:
             grad_hidden[start:stop] = result[len(program.outputs)][:rows]
+    if need_hidden and program.shard is not None:  # each rank holds its shard's share
+        group = torch.distributed.distributed_c10d._resolve_process_group(program.shard[0])
+        torch.distributed.all_reduce(grad_hidden, group=group)
     return outputs, grad_hidden, weight_acc, bias_acc
 
 
