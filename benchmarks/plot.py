@@ -43,11 +43,19 @@ def load_rows(paths: list[str]) -> list[dict[str, Any]]:
     return [r for r in rows if not r.get("swept")]
 
 
-def _groups(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, list[dict[str, Any]]]]:
-    groups: dict[tuple, dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+def _groups(rows: list[dict[str, Any]]) -> dict[tuple, dict[tuple, list[dict[str, Any]]]]:
+    """Rows by (H, V, dtype), then by (implementation, loss form): one line each."""
+    groups: dict[tuple, dict[tuple, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
-        groups[(row["hidden"], row["vocab"], row["dtype"])][row["impl"]].append(row)
+        form = "ce" if row["impl"] == "gemm_floor" else row.get("form", "ce")
+        groups[(row["hidden"], row["vocab"], row["dtype"])][(row["impl"], form)].append(row)
     return groups
+
+
+def _label(impl: str, form: str) -> str:
+    if impl == "gemm_floor":
+        return "GEMM floor"
+    return impl if form == "ce" else f"{impl} ({form})"
 
 
 def plot(rows: list[dict[str, Any]], key: str, ylabel: str, path: Path, log_y: bool = False) -> None:
@@ -55,21 +63,25 @@ def plot(rows: list[dict[str, Any]], key: str, ylabel: str, path: Path, log_y: b
     groups = _groups(rows)
     fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.5), squeeze=False)
     for ax, ((hidden, vocab, dtype), impls) in zip(axes[0], sorted(groups.items()), strict=True):
-        for impl, points in sorted(impls.items()):
+        for (impl, form), points in sorted(impls.items()):
             if impl == "gemm_floor" and key != "median_s":
                 continue
-            points = sorted((p for p in points if p.get(key) is not None), key=lambda p: p["tokens"])
-            if not points:
-                continue
             color, marker = STYLE.get(impl, (None, "."))
-            ax.plot(
-                [p["tokens"] for p in points],
-                [p[key] for p in points],
-                label="GEMM floor" if impl == "gemm_floor" else impl,
-                color=color,
-                marker=marker,
-                linestyle="--" if impl == "gemm_floor" else "-",
-            )
+            series = [(key, "--" if impl == "gemm_floor" else ("-" if form == "ce" else "-."), "")]
+            if key == "peak_mib":  # the same step under glibc's own allocation thresholds
+                series.append(("peak_glibc_mib", ":", ", glibc"))
+            for field, style, suffix in series:
+                shown = sorted((p for p in points if p.get(field) is not None), key=lambda p: p["tokens"])
+                if not shown:
+                    continue
+                ax.plot(
+                    [p["tokens"] for p in shown],
+                    [p[field] for p in shown],
+                    label=_label(impl, form) + suffix,
+                    color=color,
+                    marker=marker,
+                    linestyle=style,
+                )
         if key == "peak_mib":  # what the logits alone would take
             tokens = sorted({p["tokens"] for pts in impls.values() for p in pts})
             sizes = {p["tokens"]: p["logits_mib"] for pts in impls.values() for p in pts}
@@ -92,12 +104,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", nargs="+", help="result files of python -m tile_pass.bench --json")
     parser.add_argument("--out", default=str(Path(__file__).parent), help="folder for the PNGs")
+    parser.add_argument("--prefix", default="", help="prefix of the PNG names (e.g. bf16_)")
     args = parser.parse_args()
     rows = load_rows(args.json)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plot(rows, "peak_mib", "peak memory above inputs (MiB)", out / "memory_vs_tokens.png")
-    plot(rows, "median_s", "forward+backward step (s)", out / "time_vs_tokens.png", log_y=True)
+    plot(rows, "peak_mib", "peak memory above inputs (MiB)", out / f"{args.prefix}memory_vs_tokens.png")
+    plot(rows, "median_s", "forward+backward step (s)", out / f"{args.prefix}time_vs_tokens.png", log_y=True)
 
 
 if __name__ == "__main__":

@@ -219,14 +219,32 @@ def test_no_grad_and_double_backward():
         torch.autograd.grad(loss, h, create_graph=True)
 
 
-def test_bfloat16_model_no_worse_than_eager():
+@pytest.mark.parametrize("fn", [ce_z_loss, per_token_log_probs], ids=["one_loss", "per_token"])
+def test_bfloat16_model_no_worse_than_eager_and_split_sum_is_the_float32_sum(fn, monkeypatch):
+    """bf16 weights: the weight gradient summed across tiles in two 16-bit planes (4 bytes per
+    weight, the returned gradient included) is bit-for-bit the float32 sum's, in both ops
+    (gradient formed in forward; re-derived in backward), and within eager's error."""
+    import dataclasses
+
+    from tile_pass import _settings, _weight_grad
+
     args = _inputs("cpu", dtype=torch.bfloat16)
-    compiled = torch.compile(ce_z_loss, backend=tile_pass.backend("aot_eager", tile_tokens=TILE))
-    (out,), grads = _run(compiled, args)
-    (eager,), eager_grads = _run(ce_z_loss, args)
-    (ref,), ref_grads = _oracle(ce_z_loss, args)
-    assert out.dtype == torch.float32 and grads[1].dtype == torch.bfloat16
-    assert_no_worse_than_eager(out, eager, ref, "loss")
+    compiled = torch.compile(fn, backend=tile_pass.backend("aot_eager", tile_tokens=TILE))
+    schedules = []
+    real = _weight_grad.schedule_for
+    monkeypatch.setattr(_weight_grad, "schedule_for", lambda *a: schedules.append(real(*a)) or schedules[-1])
+    outs, grads = _run(compiled, args)
+    monkeypatch.setattr(
+        _settings, "_current", dataclasses.replace(_settings.current(), weight_grad_sum="float32")
+    )
+    _, grads32 = _run(compiled, args)
+    assert schedules == ["split", "float32"]
+    torch.testing.assert_close(grads[1], grads32[1], rtol=0, atol=0)
+    eager_outs, eager_grads = _run(fn, args)
+    ref_outs, ref_grads = _oracle(fn, args)
+    assert outs[0].dtype == eager_outs[0].dtype and grads[1].dtype == torch.bfloat16
+    for out, eager, ref in zip(outs, eager_outs, ref_outs, strict=True):
+        assert_no_worse_than_eager(out, eager, ref, "output")
     for grad, eager_grad, ref_grad in zip(grads, eager_grads, ref_grads, strict=True):
         assert_no_worse_than_eager(grad, eager_grad, ref_grad, "grad")
 

@@ -29,9 +29,10 @@ import dataclasses
 
 import torch
 
-from tile_pass import _region
+from tile_pass import _region, _weight_grad
 from tile_pass._region import RowProgram
 from tile_pass._tile_kernel import (
+    _block_split_accumulation,
     differentiable,
     finish_tile_graph,
     onednn_gemms_apply,
@@ -62,6 +63,10 @@ class ProgramKernelKey:
     acc_dtype: torch.dtype
     compiled: bool = False
     onednn: bool = False
+    #: the weight-gradient sum across tiles: ``"float32"`` (one ``acc_dtype`` tensor) or
+    #: ``"split"`` (two 16-bit planes for a half-precision head, see ``_weight_grad``)
+    weight_grad: str = "float32"
+    vocab_size: int = 0  # the program's (this rank's rows when sharded), for the blocked split sum
 
 
 def _kernel_inputs(key: ProgramKernelKey, program: RowProgram) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -75,7 +80,10 @@ def _kernel_inputs(key: ProgramKernelKey, program: RowProgram) -> list[tuple[tup
         out = program.outputs[index]
         inputs.append(((T, *_region.row_part(out.layout, V)), out.dtype))
     if key.need_weight:
-        inputs.append(((V, H), key.acc_dtype))
+        if key.weight_grad == "split":
+            inputs += [((V, H), torch.int16), ((V, H), torch.int16)]
+        else:
+            inputs.append(((V, H), key.acc_dtype))
     if key.need_bias:
         inputs.append(((V,), key.acc_dtype))
     return inputs
@@ -92,7 +100,8 @@ def _joint(key: ProgramKernelKey, program: RowProgram):
         token_inputs = [args.pop(0) for _ in range(num_token)]
         row_inputs = [args.pop(0) for _ in range(num_row)]
         tangents = [args.pop(0) for _ in key.tangents]
-        weight_acc = args.pop(0) if key.need_weight else None
+        split = key.need_weight and key.weight_grad == "split"
+        weight_acc = (args.pop(0), args.pop(0)) if split else args.pop(0) if key.need_weight else None
         bias_acc = args.pop(0) if key.need_bias else None
         with torch.enable_grad():
             (hidden, weight, bias), wanted = differentiable(
@@ -106,7 +115,9 @@ def _joint(key: ProgramKernelKey, program: RowProgram):
                 )
         grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wanted, strict=True)]
         grad_hidden = grads.pop(0) if key.need_hidden else None
-        if key.need_weight:
+        if split:
+            torch.ops.tile_pass.split_accumulate_(*weight_acc, grads.pop(0))
+        elif key.need_weight:
             weight_acc.add_(grads.pop(0))
         if key.need_bias:
             bias_acc.add_(grads.pop(0))
@@ -119,7 +130,8 @@ def _joint(key: ProgramKernelKey, program: RowProgram):
 def _trace_program_kernel(key: ProgramKernelKey):
     program = _region.lookup(key.program)
     gm = trace_fake(_joint(key, program), _kernel_inputs(key, program), key.device)
-    return finish_tile_graph(gm, key)
+    split_sum = (lambda gm: _block_split_accumulation(gm, key)) if key.weight_grad == "split" else None
+    return finish_tile_graph(gm, key, split_sum)
 
 
 def _program_kernel(key: ProgramKernelKey):
@@ -183,13 +195,19 @@ def _run_tiles(
         acc_dtype=acc,
         compiled=compile_tiles,
         onednn=onednn_gemms_apply(hidden.device),
+        weight_grad=_weight_grad.schedule_for(weight.dtype, acc) if need_weight else "float32",
+        vocab_size=vocab_size,
     )
+    split = key.weight_grad == "split"
     outputs = [
         hidden.new_empty((num_tokens, *_region.row_part(out.layout, vocab_size)), dtype=out.dtype)
         for out in program.outputs
     ] if keep_outputs else None  # fmt: skip
     grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
-    weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
+    if split:  # the float32 sum as two 16-bit planes: 4 bytes per weight with the gradient
+        weight_acc = _weight_grad.zeros(weight.shape, weight.device)
+    else:
+        weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
     bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
     for start in range(0, num_tokens, tile):
         stop = min(start + tile, num_tokens)
@@ -200,13 +218,16 @@ def _run_tiles(
         args = [_tile_of(hidden, start, stop, size), weight] + ([bias] if bias is not None else [])
         args += [_tile_of(t, start, stop, size) for t in token_inputs] + list(row_inputs)
         args += [_tile_of(tangents[i], start, stop, size, zeros=True) for i in key.tangents]
-        args += [a for a in (weight_acc, bias_acc) if a is not None]
+        args += [*weight_acc] if split else [weight_acc] if weight_acc is not None else []
+        args += [bias_acc] if bias_acc is not None else []
         result = list(kernel(*args))
         if outputs is not None:
             for out, value in zip(outputs, result, strict=False):
                 out[start:stop] = value[:rows]
         if need_hidden:
             grad_hidden[start:stop] = result[len(program.outputs)][:rows]
+    if split:  # rounded once into the weight dtype, over the high plane
+        weight_acc = _weight_grad.finish(*weight_acc, weight.dtype)
     if need_hidden and program.shard is not None:  # each rank holds its shard's share
         group = torch.distributed.distributed_c10d._resolve_process_group(program.shard[0])
         torch.distributed.all_reduce(grad_hidden, group=group)
