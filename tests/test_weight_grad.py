@@ -170,13 +170,15 @@ PER_TOKEN, SHAPE = 32000 * 2, (32000, 1024)  # compiled bf16 tiles at V=32000, H
         (100, 128, None, torch.bfloat16, (128, "direct")),  # one tile: no sum across tiles
         # N=1024: 256-token tiles + a 62.5 MiB low plane hold more than one 1024-token tile
         (1024, 256, 2048, torch.bfloat16, (1024, "direct")),
-        (2048, 256, 2048, torch.bfloat16, (256, "split")),  # the whole batch 125 MiB, split 62.5 + 15.6
+        # the whole batch 125 MiB, split 62.5 + a tile grown to half the low plane (512 tokens)
+        (2048, 256, 2048, torch.bfloat16, (512, "split")),
         (1024, 256, None, torch.bfloat16, (256, "split")),  # explicit tiles are kept
-        (4096, 256, 4096, torch.bfloat16, (256, "split")),
+        (4096, 256, 4096, torch.bfloat16, (512, "split")),
+        (8192, 1024, 2048, torch.bfloat16, (1024, "split")),  # already past half the low plane
         (1024, 256, 2048, torch.float32, (256, "float32")),  # float32 weights: the sum is the gradient
         # past the budget's largest tile (512) but under the plane it would need: one tile
         (1024, 256, 512, torch.bfloat16, (1024, "direct")),
-        (1500, 256, 512, torch.bfloat16, (256, "split")),  # padded to 2048: 125 MiB > 62.5 + 15.6
+        (1500, 256, 512, torch.bfloat16, (512, "split")),  # padded to 2048: 125 MiB > 62.5 + 15.6
     ],
 )
 def test_plan_runs_small_half_precision_batches_as_one_tile(num_tokens, tile, largest, dtype, expected):

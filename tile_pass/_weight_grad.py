@@ -72,7 +72,10 @@ def plan(
     ``P * per_token < 2 * V * H + tile * per_token`` (``P``: the batch padded to a power of
     two). That is the small batches, where the logits are small next to the head; the budget
     bounds the tiles of the split schedule, and this one tile holds less than they do with
-    the plane they need, so it may exceed the budget.
+    the plane they need, so it may exceed the budget. Under the split schedule the automatic
+    tile is no smaller than it need be: each tile reads and writes both planes once, so a
+    tile of a quarter of a small batch grows (by powers of two, to at least two tiles, within
+    the budget) until it holds half the low plane, where the planes still dominate the bytes.
     """
     schedule = schedule_for(weight_dtype, acc_dtype)
     if schedule != "split":  # float32 weights: the sum is the gradient; or the float32 schedule was asked for
@@ -87,6 +90,11 @@ def plan(
     low_plane = 2 * weight_shape[0] * weight_shape[1]
     if padded * tile_bytes_per_token < low_plane + tile * tile_bytes_per_token:
         return padded, "direct"
+    # every tile costs one pass over the planes (10 bytes per weight): the tile grows, within
+    # the budget and to at least two tiles, until it holds half the low plane
+    cap = min(largest_tile, low_plane // 2 // max(1, tile_bytes_per_token))
+    while tile * 2 <= cap and tile * 2 <= num_tokens // 2:
+        tile *= 2
     return tile, schedule
 
 
