@@ -304,6 +304,10 @@ class _IntoShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        # Glue, not a loss formula: the derivative of the broadcast (the ranks' shares of a
+        # replicated value's gradient, summed), the counterpart of _group_sum's. The loss's
+        # gradient is autograd's through the user's steps; the float64 tests cover it
+        # (tests/test_tensor_parallel.py::test_row_wise_regions_of_a_sharded_head_are_tiled_and_exact).
         return funcol.all_reduce(grad.contiguous(), "sum", ctx.group_name), None
 
 
