@@ -81,6 +81,19 @@ def test_compiled_split_add_is_the_float32_add_bit_for_bit(device, dtype, width)
         )
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_rounding_of_the_planes_is_the_eager_rounding(device):
+    """The compiled tiles' final rounding (one kernel over int32 words) gives eager's bf16."""
+    g = torch.Generator().manual_seed(2)
+    hi, lo = _weight_grad.zeros((23, 40), device)
+    _weight_grad.split_add_(hi, lo, special_values((23, 40), g).to(device))
+    hi_c, lo_c = hi.clone(), lo.clone()
+    expected = _weight_grad.finish(hi, lo, torch.bfloat16)
+    got = _tile_kernel.finish_split(hi_c, lo_c, torch.bfloat16, compiled=True)
+    assert got.data_ptr() == hi_c.data_ptr()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+
+
 def run(dtype, device, compile_tiles, pattern, seed=0):
     g = torch.Generator().manual_seed(seed)
     n, h, v = 150, 32, 300

@@ -750,6 +750,26 @@ def _compiled_split_add(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
     return lambda hi, lo, x: compiled(*_weight_grad.as_words(hi, lo, x))
 
 
+def finish_split(hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype, compiled: bool) -> torch.Tensor:
+    """:func:`tile_pass._weight_grad.finish`; with ``compiled`` and bfloat16 planes whose rows
+    pair up, one Inductor kernel over the int32 words (vectorized, no temporaries; the same
+    rounding as the eager conversion), compiled once per shape."""
+    words = _weight_grad.as_words(hi, lo, lo) if compiled and dtype == torch.bfloat16 else None
+    if words is None:
+        return _weight_grad.finish(hi, lo, dtype)
+    layout = ("finish",) + tuple((t.shape, t.stride(), t.device) for t in words[:2])
+    kernel = _compiled_adds.get(layout)
+    if kernel is None:
+        from torch._inductor.compile_fx import compile_fx
+
+        scratch = [torch.empty_like(t) for t in words[:2]]  # tracing runs it on its examples
+        traced = make_fx(_weight_grad.round_words_)(*scratch)
+        with torch.no_grad():
+            kernel = _compiled_adds.put(layout, compile_fx(traced, scratch))
+    kernel(*words[:2])
+    return hi.view(dtype)
+
+
 class _SplitAddByBlockHeight:
     """The compiled per-block add for each block height a ``[V, H]`` plane is cut into."""
 

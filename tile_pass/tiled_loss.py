@@ -27,7 +27,14 @@ import json
 import torch
 
 from tile_pass import _weight_grad
-from tile_pass._tile_kernel import KernelKey, LossHead, encode_head_spec, onednn_gemms_apply, tile_kernel
+from tile_pass._tile_kernel import (
+    KernelKey,
+    LossHead,
+    encode_head_spec,
+    finish_split,
+    onednn_gemms_apply,
+    tile_kernel,
+)
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -219,7 +226,7 @@ def _run_tile_loop(
         elif grad_hidden is not None:
             grad_hidden[start:stop] = grad_h_t[:rows]
     if schedule == "split":  # rounded once into the weight dtype, over the high plane
-        weight_acc = _weight_grad.finish(*weight_acc, weight.dtype)
+        weight_acc = finish_split(*weight_acc, weight.dtype, compile_tiles)
     return total, grad_hidden, weight_acc, bias_acc
 
 

@@ -34,6 +34,7 @@ from tile_pass._region import RowProgram
 from tile_pass._tile_kernel import (
     _block_split_accumulation,
     differentiable,
+    finish_split,
     finish_tile_graph,
     onednn_gemms_apply,
     trace_fake,
@@ -227,7 +228,7 @@ def _run_tiles(
         if need_hidden:
             grad_hidden[start:stop] = result[len(program.outputs)][:rows]
     if split:  # rounded once into the weight dtype, over the high plane
-        weight_acc = _weight_grad.finish(*weight_acc, weight.dtype)
+        weight_acc = finish_split(*weight_acc, weight.dtype, compile_tiles)
     if need_hidden and program.shard is not None:  # each rank holds its shard's share
         group = torch.distributed.distributed_c10d._resolve_process_group(program.shard[0])
         torch.distributed.all_reduce(grad_hidden, group=group)
