@@ -378,23 +378,34 @@ def _mesh_llama_worker(rank, port, outdir):
         # over the data-parallel degree, and FSDP2 averages the ranks' gradients
         total = (labels[:, 1:] != -100).sum()
         dist.all_reduce(total, group=mesh["dp"].get_group())
+        # the same run without tile_pass: eager, the same parallelisation
+        plain = _llama()
+        parallelize_module(plain, mesh["tp"], plan)
+        fully_shard(plain, mesh=mesh["dp"])
+        plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
         losses = []
         for _ in range(STEPS):
-            optimizer.zero_grad()
-            with loss_parallel():
-                loss = model(input_ids=ids, labels=labels, num_items_in_batch=total / 2)
-                loss.backward()
-            optimizer.step()
-            losses.append(float(_whole(loss).detach()))
+            for net, opt in ((model, optimizer), (plain, plain_optimizer)):
+                opt.zero_grad()
+                with loss_parallel():
+                    out = net(input_ids=ids, labels=labels, num_items_in_batch=total / 2)
+                    loss = out if net is model else out.loss
+                    loss.backward()
+                opt.step()
+                if net is model:
+                    losses.append(float(_whole(loss).detach()))
         params = {name: _whole(p.detach()) for name, p in model.named_parameters()}
-        result = {"losses": losses, "params": params, "report": backend.report().to_dict()}
+        plain_params = {name: _whole(p.detach()) for name, p in plain.named_parameters()}
+        result = {"losses": losses, "params": params, "plain_params": plain_params,
+                  "report": backend.report().to_dict()}  # fmt: skip
         torch.save(result, os.path.join(outdir, f"mesh_llama{rank}.pt"))
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 def test_llama_on_a_two_d_mesh_through_the_pass_trains_like_eager(tmp_path):
     """FSDP2 over the data-parallel dim, the head tensor-parallel over the other, uneven label
-    counts across data-parallel ranks: three SGD steps equal one process's float64 eager."""
+    counts across data-parallel ranks: three SGD steps equal one process's float64 eager, and
+    the same parallel run without tile_pass (eager)."""
     reference = _llama().double()
     spawn(_mesh_llama_worker, (_free_port(), str(tmp_path)), nprocs=4)
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -413,6 +424,10 @@ def test_llama_on_a_two_d_mesh_through_the_pass_trains_like_eager(tmp_path):
         for name, param in reference.named_parameters():
             torch.testing.assert_close(result["params"][name].double(), param.detach(), rtol=1e-5, atol=1e-6,
                                        msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                result["params"][name], result["plain_params"][name], rtol=1e-5, atol=1e-6,
+                msg=lambda m, n=name, r=rank: f"rank {r} {n} vs the run without tile_pass: {m}",
+            )  # fmt: skip
     # ranks 0, 1 hold data-parallel shard 0 and ranks 2, 3 shard 1: their losses add up to eager's
     for step in range(STEPS):
         assert results[0]["losses"][step] == pytest.approx(results[1]["losses"][step], rel=1e-6)
