@@ -278,6 +278,20 @@ def _llama_batch():
     return ids, labels
 
 
+def _trained_reference(model, ids, labels):
+    """``model`` in float64 after the workers' SGD steps on the whole batch, and its losses."""
+    reference = model.double()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = reference(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return reference, losses
+
+
 def _llama_worker(rank, port, outdir, tied):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
@@ -318,17 +332,8 @@ def _llama_worker(rank, port, outdir, tied):
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])
 def test_llama_with_a_tensor_parallel_head_trains_like_eager(tmp_path, tied):
-    reference = _llama(tied).double()
     spawn(_llama_worker, (_free_port(), str(tmp_path), tied))
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    ids, labels = _llama_batch()
-    losses = []
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        loss = reference(input_ids=ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    reference, losses = _trained_reference(_llama(tied), *_llama_batch())
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"llama{rank}.pt")
         rewrites = result["report"]["rewrites"]
@@ -406,17 +411,8 @@ def test_llama_on_a_two_d_mesh_through_the_pass_trains_like_eager(tmp_path):
     """FSDP2 over the data-parallel dim, the head tensor-parallel over the other, uneven label
     counts across data-parallel ranks: three SGD steps equal one process's float64 eager, and
     the same parallel run without tile_pass (eager)."""
-    reference = _llama().double()
     spawn(_mesh_llama_worker, (_free_port(), str(tmp_path)), nprocs=4)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    ids, labels = _mesh_llama_batch()
-    losses = []
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        loss = reference(input_ids=ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    reference, losses = _trained_reference(_llama(), *_mesh_llama_batch())
     results = [torch.load(tmp_path / f"mesh_llama{rank}.pt") for rank in range(4)]
     for rank, result in enumerate(results):
         rewrites = result["report"]["rewrites"]
