@@ -516,18 +516,30 @@ class _BlockedUpcastAccumulate(torch.nn.Module):
             self.adds[stop - start](acc[start:stop], torch.mm(a[start:stop], b))
 
 
-def _compiled_add(acc: torch.Tensor, x: torch.Tensor):
-    """``acc.add_(x)`` compiled by Inductor, once per layout: the weight-gradient sum has the
-    same shape for every tile size, so the kernels of other tile sizes reuse it."""
-    layout = tuple((t.shape, t.stride(), t.dtype, t.device) for t in (acc, x))
+def _inductor_once(name: str, fn, examples) -> object:
+    """``fn`` (in-place updates of its arguments) traced and compiled by Inductor, once per
+    ``name`` and layout of ``examples`` (kept in the bounded cache). Tracing runs ``fn``, so it
+    runs on scratch tensors of the examples' layouts, never on the examples themselves."""
+    layout = (name,) + tuple((t.shape, t.stride(), t.dtype, t.device) for t in examples)
     compiled = _compiled_adds.get(layout)
     if compiled is None:
         from torch._inductor.compile_fx import compile_fx
 
-        add = make_fx(lambda acc, x: acc.add_(x))(acc, x)
+        scratch = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in examples]
+        traced = make_fx(fn)(*scratch)
         with torch.no_grad():
-            compiled = _compiled_adds.put(layout, compile_fx(add, [acc, x]))
+            compiled = _compiled_adds.put(layout, compile_fx(traced, scratch))
     return compiled
+
+
+def _add_(acc: torch.Tensor, x: torch.Tensor) -> None:
+    acc.add_(x)
+
+
+def _compiled_add(acc: torch.Tensor, x: torch.Tensor):
+    """``acc.add_(x)`` compiled by Inductor, once per layout: the weight-gradient sum has the
+    same shape for every tile size, so the kernels of other tile sizes reuse it."""
+    return _inductor_once("add", _add_, (acc, x))
 
 
 class _BoundedCache:
@@ -734,19 +746,9 @@ def _compiled_split_add(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
     fused, vectorized pass over a block (read both planes and the product, write both
     planes), on the planes' int32 words where the rows pair up."""
     words = _weight_grad.as_words(hi, lo, x)
-    add, operands = (
-        (_weight_grad.add_words_, words) if words is not None else (_weight_grad.split_add_, (hi, lo, x))
-    )
-    layout = ("split",) + tuple((t.shape, t.stride(), t.dtype, t.device) for t in operands)
-    compiled = _compiled_adds.get(layout)
-    if compiled is None:
-        from torch._inductor.compile_fx import compile_fx
-
-        traced = make_fx(add)(*operands)
-        with torch.no_grad():
-            compiled = _compiled_adds.put(layout, compile_fx(traced, list(operands)))
     if words is None:
-        return compiled
+        return _inductor_once("split", _weight_grad.split_add_, (hi, lo, x))
+    compiled = _inductor_once("split", _weight_grad.add_words_, words)
     return lambda hi, lo, x: compiled(*_weight_grad.as_words(hi, lo, x))
 
 
@@ -757,16 +759,7 @@ def finish_split(hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype, compile
     words = _weight_grad.as_words(hi, lo, lo) if compiled and dtype == torch.bfloat16 else None
     if words is None:
         return _weight_grad.finish(hi, lo, dtype)
-    layout = ("finish",) + tuple((t.shape, t.stride(), t.device) for t in words[:2])
-    kernel = _compiled_adds.get(layout)
-    if kernel is None:
-        from torch._inductor.compile_fx import compile_fx
-
-        scratch = [torch.empty_like(t) for t in words[:2]]  # tracing runs it on its examples
-        traced = make_fx(_weight_grad.round_words_)(*scratch)
-        with torch.no_grad():
-            kernel = _compiled_adds.put(layout, compile_fx(traced, scratch))
-    kernel(*words[:2])
+    _inductor_once("finish", _weight_grad.round_words_, words[:2])(*words[:2])
     return hi.view(dtype)
 
 
