@@ -229,7 +229,8 @@ def test_bfloat16_model_no_worse_than_eager_and_split_sum_is_the_float32_sum(fn,
     from tile_pass import _settings, _weight_grad
 
     args = _inputs("cpu", dtype=torch.bfloat16)
-    compiled = torch.compile(fn, backend=tile_pass.backend("aot_eager", tile_tokens=TILE))
+    backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
+    compiled = torch.compile(fn, backend=backend)
     schedules = []
     real = _weight_grad.schedule_for
     monkeypatch.setattr(_weight_grad, "schedule_for", lambda *a: schedules.append(real(*a)) or schedules[-1])
@@ -238,7 +239,10 @@ def test_bfloat16_model_no_worse_than_eager_and_split_sum_is_the_float32_sum(fn,
         _settings, "_current", dataclasses.replace(_settings.current(), weight_grad_sum="float32")
     )
     _, grads32 = _run(compiled, args)
-    assert schedules == ["split", "float32"]
+    assert schedules[-2:] == ["split", "float32"]  # the two runs (the rewrite asks first)
+    assert "two 16-bit planes, rounded over the high one (4 bytes per weight" in (
+        backend.report().rewrites[0].weight_grad_sum
+    )
     torch.testing.assert_close(grads[1], grads32[1], rtol=0, atol=0)
     eager_outs, eager_grads = _run(fn, args)
     ref_outs, ref_grads = _oracle(fn, args)

@@ -869,7 +869,12 @@ def _rewrite_row_regions(
                 returned_logits=handled,
                 returned_logits_bytes=_plain(kept),
                 compiled_tiles=compile_tiles,
-                weight_grad_sum="float32 sum" if _val(region.weight).requires_grad else "none",
+                weight_grad_sum=_weight_grad_sum(
+                    _weight_grad.schedule_for(dtype, torch.promote_types(torch.float32, dtype))
+                    if _val(region.weight).requires_grad
+                    else None,
+                    dtype,
+                ),  # fmt: skip
             )
         )
 
