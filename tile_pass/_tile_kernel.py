@@ -818,11 +818,12 @@ def _block_split_accumulation(root: torch.fx.GraphModule, key: KernelKey) -> int
     return rewritten
 
 
-def finish_tile_graph(gm: torch.fx.GraphModule, key, between=None) -> torch.fx.GraphModule:
+def finish_tile_graph(gm: torch.fx.GraphModule, key) -> torch.fx.GraphModule:
     """The passes every derived tile graph gets: the weight-gradient sum in place; with
-    ``key.compiled`` the elementwise middle compiled by Inductor; ``between(gm)`` (a pass of the
-    caller's); then, with ``key.onednn``, the float32 GEMMs on oneDNN. ``key`` needs
-    ``compiled``, ``device`` and ``onednn``."""
+    ``key.compiled`` the elementwise middle compiled by Inductor; under the split schedule
+    (``key.weight_grad == "split"``) the planes' sum in row blocks; then, with ``key.onednn``,
+    the float32 GEMMs on oneDNN. ``key`` needs ``compiled``, ``device`` and ``onednn`` (and,
+    for the split schedule, ``vocab_size``, ``hidden_size`` and ``weight_dtype``)."""
     _accumulate_weight_grad_in_place(gm)
     if key.compiled:
         logits = next((n for n in gm.graph.nodes if n.target in _GEMMS), None)
@@ -831,8 +832,8 @@ def finish_tile_graph(gm: torch.fx.GraphModule, key, between=None) -> torch.fx.G
             _compile_middle(split, key, logits.name)
             gm = split
         _compile_upcast_accumulation(gm, key.device)
-    if between is not None:
-        between(gm)
+    if getattr(key, "weight_grad", None) == "split":
+        _block_split_accumulation(gm, key)
     if key.onednn:
         log.debug("tile %s: %d GEMMs on oneDNN", key, _route_gemms_to_onednn(gm))
     return gm
@@ -849,8 +850,7 @@ def trace_fake(
 
 def _trace(key: KernelKey) -> TileKernel:
     gm = trace_fake(_joint_function(key), [(shape, dtype) for _, shape, dtype in _inputs_of(key)], key.device)
-    split_sum = (lambda gm: _block_split_accumulation(gm, key)) if key.weight_grad == "split" else None
-    return TileKernel(key, finish_tile_graph(gm, key, split_sum))
+    return TileKernel(key, finish_tile_graph(gm, key))
 
 
 _cache = _BoundedCache(TILE_KERNEL_CACHE_SIZE)

@@ -32,7 +32,6 @@ import torch
 from tile_pass import _region, _weight_grad
 from tile_pass._region import RowProgram
 from tile_pass._tile_kernel import (
-    _block_split_accumulation,
     differentiable,
     finish_split,
     finish_tile_graph,
@@ -131,8 +130,7 @@ def _joint(key: ProgramKernelKey, program: RowProgram):
 def _trace_program_kernel(key: ProgramKernelKey):
     program = _region.lookup(key.program)
     gm = trace_fake(_joint(key, program), _kernel_inputs(key, program), key.device)
-    split_sum = (lambda gm: _block_split_accumulation(gm, key)) if key.weight_grad == "split" else None
-    return finish_tile_graph(gm, key, split_sum)
+    return finish_tile_graph(gm, key)
 
 
 def _program_kernel(key: ProgramKernelKey):
