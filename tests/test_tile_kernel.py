@@ -10,9 +10,11 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
+from conftest import assert_no_worse_than_eager
 
 import tile_pass
-from tile_pass import _settings, _tile_kernel
+from tile_pass import _settings, _tile_buffers, _tile_kernel
 from tile_pass._settings import CPU_GEMM_ENV
 from tile_pass._tile_kernel import (
     KernelKey,
@@ -114,6 +116,82 @@ def test_returned_logits_keep_their_own_buffer():
     hidden, weight, *_ = make_inputs(key)
     kept = run(key)[4]
     torch.testing.assert_close(kept, hidden @ weight.T)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_logits_gemm_writes_the_loops_shared_buffer_unless_the_graph_returns_them(compiled):
+    """On the CPU the logits GEMM of a tile writes into the tile loop's buffer; a graph that
+    returns the logits (or anything of their layout) keeps a fresh tensor per tile, and a
+    float32 GEMM routed to oneDNN keeps its own."""
+    shared = (_tile_buffers.mm, _tile_buffers.addmm)
+    for key, expected in [
+        (key_for(torch.bfloat16, ops=(("cast", "float32"),), compiled=compiled), True),
+        (key_for(torch.bfloat16, bias=True, compiled=compiled), True),
+        (key_for(torch.bfloat16, keep_logits_after=0, compiled=compiled), False),
+        (key_for(torch.float32, compiled=compiled, onednn=onednn_gemms_apply(torch.device("cpu"))), None),
+    ]:
+        kernel = tile_kernel(key)
+        uses = [n for target in shared for n in graph_calls(kernel, target)]
+        if expected is None:
+            expected = not key.onednn
+        assert bool(uses) == expected, key
+
+
+def test_tiles_of_a_loop_share_one_logits_buffer(monkeypatch):
+    """Every tile's logits land in the same memory (a short last tile in a prefix of it), the
+    buffer is gone when the loop ends, and the loss and gradients are eager's."""
+    taken = []
+    take = _tile_buffers._take
+
+    def recording_take(*args):
+        taken.append(take(*args))
+        return taken[-1]
+
+    monkeypatch.setattr(_tile_buffers, "_take", recording_take)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(200, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    target = torch.randint(0, V, (200,), generator=g)
+    target[:70] = -100  # a fully masked first tile
+    inputs = [hidden.to(torch.bfloat16).requires_grad_(), weight.to(torch.bfloat16).requires_grad_()]
+    for compile_tiles in (False, True):
+        taken.clear()
+        loss = tile_pass.linear_cross_entropy(*inputs, target, tile_tokens=48, compile_tiles=compile_tiles)
+        grads = torch.autograd.grad(loss, inputs)
+        assert len(taken) == 3 and [t.shape[0] for t in taken] == [48, 48, 48]  # 130 labelled rows
+        assert len({t.data_ptr() for t in taken}) == 1
+        assert getattr(_tile_buffers._local, "buffers", None) is None
+        eager_in = [t.detach().clone().requires_grad_() for t in inputs]
+        eager = F.cross_entropy(F.linear(*eager_in).float(), target)
+        reference_in = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+        reference = F.cross_entropy(F.linear(*reference_in), target)
+        assert_no_worse_than_eager(loss, eager, reference, "loss")
+        for got, e, r in zip(
+            grads,
+            torch.autograd.grad(eager, eager_in),
+            torch.autograd.grad(reference, reference_in),
+            strict=True,
+        ):
+            assert_no_worse_than_eager(got, e, r, "grad")
+
+
+def test_a_shorter_tile_takes_a_prefix_of_the_shared_buffer():
+    with _tile_buffers.shared():
+        first = _tile_buffers._take((8, 10), torch.bfloat16, torch.device("cpu"))
+        shorter = _tile_buffers._take((3, 10), torch.bfloat16, torch.device("cpu"))
+        other_dtype = _tile_buffers._take((3, 10), torch.float32, torch.device("cpu"))
+        assert shorter.data_ptr() == first.data_ptr() and shorter.is_contiguous()
+        assert other_dtype.data_ptr() != first.data_ptr()
+        with _tile_buffers.shared():  # a nested loop has buffers of its own
+            assert (
+                _tile_buffers._take((8, 10), torch.bfloat16, torch.device("cpu")).data_ptr()
+                != first.data_ptr()
+            )
+        assert (
+            _tile_buffers._take((8, 10), torch.bfloat16, torch.device("cpu")).data_ptr() == first.data_ptr()
+        )
+    outside = [_tile_buffers._take((8, 10), torch.bfloat16, torch.device("cpu")) for _ in range(2)]
+    assert outside[0].data_ptr() != outside[1].data_ptr()
 
 
 def test_half_precision_weight_gradient_is_added_by_a_compiled_kernel():

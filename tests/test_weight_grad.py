@@ -11,7 +11,7 @@ import torch
 from conftest import DEVICES, assert_no_worse_than_eager
 
 import tile_pass
-from tile_pass import _settings, _tile_kernel, _weight_grad
+from tile_pass import _settings, _split_sum_cpu, _tile_kernel, _weight_grad
 
 
 @pytest.fixture
@@ -60,16 +60,28 @@ def test_split_sum_is_the_float32_sum_bit_for_bit(device, dtype, monkeypatch):
     torch.testing.assert_close(result, reference.to(dtype), rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.fixture(params=["c_loop", "inductor"])
+def compiled_kernels(request, monkeypatch):
+    """The compiled tiles' plane passes: the C loops (CPU) or the Inductor kernels (every device)."""
+    if request.param == "inductor":
+        monkeypatch.setattr(_split_sum_cpu, "add", lambda *args: None)
+        monkeypatch.setattr(_split_sum_cpu, "finish", lambda *args: None)
+    return request.param
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("width", [40, 39])  # paired int32 words; an odd row takes the 16-bit path
-def test_compiled_split_add_is_the_float32_add_bit_for_bit(device, dtype, width):
-    """The add a compiled tile runs (one Inductor kernel over int32 words) rounds nowhere."""
+def test_compiled_split_add_is_the_float32_add_bit_for_bit(device, dtype, width, compiled_kernels):
+    """The add a compiled tile runs rounds nowhere, whichever kernel runs it."""
+    if compiled_kernels == "c_loop" and device != "cpu":
+        pytest.skip("the C loops are the CPU's")
     g = torch.Generator().manual_seed(1)
     shape = (23, width)
     hi, lo = _weight_grad.zeros(shape, device)
     scratch = [torch.empty_like(hi), torch.empty_like(lo), torch.empty(shape, dtype=dtype, device=device)]
     add = _tile_kernel._compiled_split_add(*scratch)  # tracing runs it on its example inputs
+    assert (_split_sum_cpu.add(*scratch) is not None) == (compiled_kernels == "c_loop")
     reference = torch.zeros(shape, device=device)
     for step in range(4):
         x = special_values(shape, g) if step % 2 else torch.randn(shape, generator=g) * 1e3
@@ -82,15 +94,24 @@ def test_compiled_split_add_is_the_float32_add_bit_for_bit(device, dtype, width)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compiled_rounding_of_the_planes_is_the_eager_rounding(device):
-    """The compiled tiles' final rounding (one kernel over int32 words) gives eager's bf16."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_rounding_of_the_planes_is_the_eager_rounding(device, dtype, compiled_kernels):
+    """The compiled tiles' final rounding gives eager's conversion: ties to even, overflow to
+    infinity, subnormals, NaN (as a NaN) and random bit patterns."""
+    if compiled_kernels == "c_loop" and device != "cpu":
+        pytest.skip("the C loops are the CPU's")
     g = torch.Generator().manual_seed(2)
-    hi, lo = _weight_grad.zeros((23, 40), device)
-    _weight_grad.split_add_(hi, lo, special_values((23, 40), g).to(device))
+    shape = (23, 40)
+    hi, lo = _weight_grad.zeros(shape, device)
+    _weight_grad.split_add_(hi, lo, special_values(shape, g).to(device))
+    bits = torch.randint(-(2**31), 2**31 - 1, (4, 40), generator=g, dtype=torch.int64).to(torch.int32)
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x477FF000, 0x477FE000], dtype=torch.int32)  # bf16/fp16 ties
+    bits[0, :4] = ties
+    hi[:4], lo[:4] = (bits >> 16).to(torch.int16).to(device), bits.to(torch.int16).to(device)
     hi_c, lo_c = hi.clone(), lo.clone()
-    expected = _weight_grad.finish(hi, lo, torch.bfloat16)
-    got = _tile_kernel.finish_split(hi_c, lo_c, torch.bfloat16, compiled=True)
-    assert got.data_ptr() == hi_c.data_ptr()
+    expected = _weight_grad.finish(hi, lo, dtype)
+    got = _tile_kernel.finish_split(hi_c, lo_c, dtype, compiled=True)
+    assert got.data_ptr() == hi_c.data_ptr() and got.dtype == dtype
     torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
 
 

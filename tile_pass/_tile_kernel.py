@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
 
-from tile_pass import _settings, _weight_grad
+from tile_pass import _settings, _split_sum_cpu, _tile_buffers, _weight_grad
 from tile_pass._logging import log
 
 aten = torch.ops.aten
@@ -326,7 +326,7 @@ def _accumulate_weight_grad_in_place(gm: torch.fx.GraphModule) -> int:
     return fused
 
 
-_GEMMS = {aten.mm.default, aten.addmm.default, aten.addmm_.default}
+_GEMMS = {aten.mm.default, aten.addmm.default, aten.addmm_.default, *_tile_buffers.REPLACES.values()}
 _VIEWS = {aten.t.default, aten.detach.default, aten.view.default, aten.transpose.int, aten.permute.default}
 
 
@@ -742,9 +742,13 @@ class _BlockedSplitAccumulate(torch.nn.Module):
 
 
 def _compiled_split_add(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
-    """:func:`tile_pass._weight_grad.split_add_` compiled by Inductor, once per layout: one
-    fused, vectorized pass over a block (read both planes and the product, write both
-    planes), on the planes' int32 words where the rows pair up."""
+    """:func:`tile_pass._weight_grad.split_add_` as one vectorized pass over a block (read both
+    planes and the product, write both planes): on the CPU the C loop of
+    :mod:`tile_pass._split_sum_cpu`; otherwise compiled by Inductor, once per layout, on the
+    planes' int32 words where the rows pair up."""
+    c_loop = _split_sum_cpu.add(hi, lo, x)
+    if c_loop is not None:
+        return c_loop
     words = _weight_grad.as_words(hi, lo, x)
     if words is None:
         return _inductor_once("split", _weight_grad.split_add_, (hi, lo, x))
@@ -753,9 +757,14 @@ def _compiled_split_add(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
 
 
 def finish_split(hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype, compiled: bool) -> torch.Tensor:
-    """:func:`tile_pass._weight_grad.finish`; with ``compiled`` and bfloat16 planes whose rows
-    pair up, one Inductor kernel over the int32 words (vectorized, no temporaries; the same
-    rounding as the eager conversion), compiled once per shape."""
+    """:func:`tile_pass._weight_grad.finish`; with ``compiled``, one vectorized pass with no
+    temporaries: on the CPU the C loop of :mod:`tile_pass._split_sum_cpu`, otherwise (bfloat16
+    planes whose rows pair up) an Inductor kernel over the int32 words, compiled once per
+    shape. Each rounds as the eager conversion does."""
+    if compiled:
+        rounded = _split_sum_cpu.finish(hi, lo, dtype)
+        if rounded is not None:
+            return rounded
     words = _weight_grad.as_words(hi, lo, lo) if compiled and dtype == torch.bfloat16 else None
     if words is None:
         return _weight_grad.finish(hi, lo, dtype)
@@ -818,13 +827,37 @@ def _block_split_accumulation(root: torch.fx.GraphModule, key: KernelKey) -> int
     return rewritten
 
 
+def _logits_into_shared_buffer(gm: torch.fx.GraphModule, key) -> bool:
+    """On the CPU, make the logits GEMM write into the tile loop's shared buffer (see
+    :mod:`tile_pass._tile_buffers`). Only where nothing of that buffer outlives the tile: the
+    graph returns no tensor with the logits' shape and dtype (the logits themselves, the
+    gradient stored over them, or a view of either). A float32 GEMM routed to oneDNN, which
+    writes no given buffer, keeps its own."""
+    logits = next((n for n in gm.graph.nodes if n.target in _GEMMS), None)
+    if key.device.type != "cpu" or logits is None or logits.target not in _tile_buffers.REPLACES:
+        return False
+    tile = logits.meta.get("val")
+    if logits.kwargs or not isinstance(tile, torch.Tensor) or not tile.is_contiguous():
+        return False
+    if key.onednn and tile.dtype == torch.float32:
+        return False
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = [n.meta.get("val") for n in output.all_input_nodes]
+    if any(isinstance(v, torch.Tensor) and v.shape == tile.shape and v.dtype == tile.dtype for v in returned):
+        return False
+    logits.target = _tile_buffers.REPLACES[logits.target]
+    gm.recompile()
+    return True
+
+
 def finish_tile_graph(gm: torch.fx.GraphModule, key) -> torch.fx.GraphModule:
-    """The passes every derived tile graph gets: the weight-gradient sum in place; with
-    ``key.compiled`` the elementwise middle compiled by Inductor; under the split schedule
-    (``key.weight_grad == "split"``) the planes' sum in row blocks; then, with ``key.onednn``,
-    the float32 GEMMs on oneDNN. ``key`` needs ``compiled``, ``device`` and ``onednn`` (and,
+    """The passes every derived tile graph gets: the weight-gradient sum in place; on the CPU
+    the logits in the loop's shared buffer; with ``key.compiled`` the elementwise middle
+    compiled by Inductor; under the split schedule (``key.weight_grad == "split"``) the planes'
+    sum in row blocks; then, with ``key.onednn``, the float32 GEMMs on oneDNN. ``key`` needs ``compiled``, ``device`` and ``onednn`` (and,
     for the split schedule, ``vocab_size``, ``hidden_size`` and ``weight_dtype``)."""
     _accumulate_weight_grad_in_place(gm)
+    _logits_into_shared_buffer(gm, key)
     if key.compiled:
         logits = next((n for n in gm.graph.nodes if n.target in _GEMMS), None)
         split = _split_at_gemms(gm)

@@ -189,8 +189,14 @@ def split_accumulate_mm_(
     the derived graph forms it), so no ``[V, H]`` temporary exists. ``add(hi, lo, block)`` is
     the per-block add (a compiled :func:`split_add_` in compiled tiles)."""
     add = add or split_add_
-    for start, stop in _blocks(hi.shape[0], b.shape[1] * max(a.element_size(), 1)):
-        add(hi[start:stop], lo[start:stop], torch.mm(a[start:stop], b))
+    blocks = list(_blocks(hi.shape[0], b.shape[1] * max(a.element_size(), 1)))
+    if not blocks:
+        return
+    # one block buffer for every block: a fresh one per block would fault its pages in again
+    product = a.new_empty((blocks[0][1] - blocks[0][0], b.shape[1]), dtype=torch.result_type(a, b))
+    for start, stop in blocks:
+        block = product[: stop - start]
+        add(hi[start:stop], lo[start:stop], torch.mm(a[start:stop], b, out=block))
 
 
 def zeros(shape, device) -> tuple[torch.Tensor, torch.Tensor]:

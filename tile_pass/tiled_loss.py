@@ -26,7 +26,7 @@ import json
 
 import torch
 
-from tile_pass import _weight_grad
+from tile_pass import _tile_buffers, _weight_grad
 from tile_pass._tile_kernel import (
     KernelKey,
     LossHead,
@@ -149,6 +149,7 @@ def _plan(tiles: _Tiles, acc_dtype: torch.dtype, num_tokens: int) -> tuple[int, 
     )  # fmt: skip
 
 
+@_tile_buffers.shared()
 def _run_tile_loop(
     tiles: _Tiles,
     hidden: torch.Tensor,

@@ -29,7 +29,7 @@ import dataclasses
 
 import torch
 
-from tile_pass import _region, _weight_grad
+from tile_pass import _region, _tile_buffers, _weight_grad
 from tile_pass._region import RowProgram
 from tile_pass._tile_kernel import (
     differentiable,
@@ -154,6 +154,7 @@ def _check_indices(program: RowProgram, token_inputs: list[torch.Tensor]) -> Non
             raise error(message.format(int(index[bad][0])))
 
 
+@_tile_buffers.shared()
 def _run_tiles(
     program: RowProgram,
     hidden: torch.Tensor,
