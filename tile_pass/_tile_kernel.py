@@ -854,8 +854,9 @@ def finish_tile_graph(gm: torch.fx.GraphModule, key) -> torch.fx.GraphModule:
     """The passes every derived tile graph gets: the weight-gradient sum in place; on the CPU
     the logits in the loop's shared buffer; with ``key.compiled`` the elementwise middle
     compiled by Inductor; under the split schedule (``key.weight_grad == "split"``) the planes'
-    sum in row blocks; then, with ``key.onednn``, the float32 GEMMs on oneDNN. ``key`` needs ``compiled``, ``device`` and ``onednn`` (and,
-    for the split schedule, ``vocab_size``, ``hidden_size`` and ``weight_dtype``)."""
+    sum in row blocks; then, with ``key.onednn``, the float32 GEMMs on oneDNN. ``key`` needs
+    ``compiled``, ``device`` and ``onednn`` (and, for the split schedule, ``vocab_size``,
+    ``hidden_size`` and ``weight_dtype``)."""
     _accumulate_weight_grad_in_place(gm)
     _logits_into_shared_buffer(gm, key)
     if key.compiled:
