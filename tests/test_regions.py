@@ -274,11 +274,33 @@ def test_autocast_z_loss_with_returned_logits():
     assert_no_worse_than_eager(outs[0], eager_outs[0], ref_outs[0], "loss")
 
 
-@pytest.mark.parametrize("fn", [ce_z_loss, grpo_log_softmax_gather], ids=["ce_z_loss", "grpo"])
-def test_inductor_with_compiled_tiles(fn):
+@pytest.mark.parametrize(
+    "fn, tile, middle_rows",
+    [(ce_z_loss, TILE, None), (grpo_log_softmax_gather, TILE, None), (entropy_bonus, 16, 8),
+     (per_token_log_probs, 16, 8)],
+    ids=["ce_z_loss", "grpo", "entropy_row_blocks", "per_token_row_blocks"],
+)  # fmt: skip
+def test_inductor_with_compiled_tiles(fn, tile, middle_rows, monkeypatch):
+    """Compiled tiles; with ``middle_rows`` the CPU's compiled middle runs in blocks of rows."""
+    from tile_pass import _tile_kernel
+
+    blocked_calls = []
+    if middle_rows:
+        monkeypatch.setattr(_tile_kernel, "MIDDLE_BLOCK_BYTES", middle_rows * V * 4)
+        forward = _tile_kernel._RowBlocked.forward
+
+        def counted(self, *args):
+            blocked_calls.append(self.rows)
+            return forward(self, *args)
+
+        monkeypatch.setattr(_tile_kernel._RowBlocked, "forward", counted)
+        tile_pass.clear_caches()
     args = _inputs("cpu")
-    backend = tile_pass.backend("inductor", tile_tokens=TILE)
+    backend = tile_pass.backend("inductor", tile_tokens=tile)
     outs, grads = _run(torch.compile(fn, backend=backend), args)
+    if middle_rows:
+        tile_pass.clear_caches()
+        assert blocked_calls and set(blocked_calls) == {middle_rows}
     rewrite = backend.report().rewrites[0]
     assert rewrite.compiled_tiles
     ref_outs, ref_grads = _oracle(fn, args)

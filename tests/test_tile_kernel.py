@@ -109,6 +109,29 @@ def test_compiled_middle_overwrites_the_logits_tile_and_matches_eager(case):
             torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_middle_in_row_blocks_is_the_whole_tiles_middle(case, monkeypatch):
+    """On the CPU the compiled middle runs block after block of rows; every output (losses,
+    the gradients, the sums they are added into) is the whole tile's, bit for bit."""
+    options = CASES[case]
+    whole = run(key_for(**options))
+    assert isinstance(middle_of(key_for(**options)), _Compiled)
+    monkeypatch.setattr(_tile_kernel, "MIDDLE_BLOCK_BYTES", 8 * V * 4)  # blocks of 8 or 16 rows
+    _tile_kernel.clear_caches()
+    middle = middle_of(key_for(**options))
+    if options.get("bias"):  # the middle adds the bias gradient into its sum: blocks would reorder it
+        assert isinstance(middle, _Compiled) and not isinstance(middle, _tile_kernel._RowBlocked)
+    else:
+        assert isinstance(middle, _tile_kernel._RowBlocked) and middle.rows < T
+        assert (middle.overwritten is not None) == _tile_kernel.STORE_GRAD_OVER_LOGITS
+    for got, want in zip(run(key_for(**options)), whole, strict=True):
+        if want is None:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _tile_kernel.clear_caches()
+
+
 def test_returned_logits_keep_their_own_buffer():
     """A graph that also returns the logits needs them intact: no overwrite there."""
     key = key_for(torch.float32, keep_logits_after=0)

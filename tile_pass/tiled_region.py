@@ -129,8 +129,11 @@ def _joint(key: ProgramKernelKey, program: RowProgram):
 
 def _trace_program_kernel(key: ProgramKernelKey):
     program = _region.lookup(key.program)
-    gm = trace_fake(_joint(key, program), _kernel_inputs(key, program), key.device)
-    return finish_tile_graph(gm, key)
+
+    def trace(key: ProgramKernelKey) -> torch.fx.GraphModule:
+        return trace_fake(_joint(key, program), _kernel_inputs(key, program), key.device)
+
+    return finish_tile_graph(trace(key), key, lambda rows: trace(dataclasses.replace(key, tile=rows)))
 
 
 def _program_kernel(key: ProgramKernelKey):
