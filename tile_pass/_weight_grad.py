@@ -52,6 +52,11 @@ def bytes_per_weight(schedule: str, weight_dtype: torch.dtype) -> int:
     return acc + (itemsize if itemsize != acc else 0)
 
 
+#: automatic tiles that are shrunk to fit the half-of-unfused bound stay multiples of this and
+#: no smaller than :data:`tile_pass._tiling.MIN_AUTO_TILE`
+_TILE_STEP = 64
+
+
 def plan(
     num_tokens: int,
     tile: int,
@@ -60,6 +65,7 @@ def plan(
     weight_dtype: torch.dtype,
     acc_dtype: torch.dtype,
     tile_bytes_per_token: int,
+    batch_tokens: int | None = None,
 ) -> tuple[int, str]:
     """The tile and the weight-gradient schedule for a batch of ``num_tokens``.
 
@@ -76,6 +82,11 @@ def plan(
     tile is no smaller than it need be: each tile reads and writes both planes once, so a
     tile of a quarter of a small batch grows (by powers of two, to at least two tiles, within
     the budget) until it holds half the low plane, where the planes still dominate the bytes.
+
+    Then, given the batch's token count (``batch_tokens``, labelled or not), the tile shrinks
+    (in steps of 64 tokens, to no fewer than 256) until the step holds at most half of what the
+    unfused step would (:func:`held_bytes` against :func:`unfused_bytes`), where such a tile
+    exists: from a few thousand tokens the planes leave room for a tile under that bound.
     """
     schedule = schedule_for(weight_dtype, acc_dtype)
     if schedule != "split":  # float32 weights: the sum is the gradient; or the float32 schedule was asked for
@@ -95,7 +106,45 @@ def plan(
     cap = min(largest_tile, low_plane // 2 // max(1, tile_bytes_per_token))
     while tile * 2 <= cap and tile * 2 <= num_tokens // 2:
         tile *= 2
+    if batch_tokens is not None:
+        tile = _within_half_of_unfused(tile, batch_tokens, weight_shape, weight_dtype, tile_bytes_per_token)
     return tile, schedule
+
+
+def unfused_bytes(
+    batch_tokens: int, weight_shape: tuple[int, int], itemsize: int, tile_bytes_per_token: int
+) -> int:
+    """What the unfused step holds at its peak: the logits of every token (in the tiles' dtype,
+    ``tile_bytes_per_token`` per token) and the returned weight and hidden gradients."""
+    vocab, hidden = weight_shape
+    return batch_tokens * tile_bytes_per_token + (vocab + batch_tokens) * hidden * itemsize
+
+
+def held_bytes(
+    tile: int, batch_tokens: int, weight_shape: tuple[int, int], itemsize: int, tile_bytes_per_token: int
+) -> int:
+    """What the split schedule holds at its peak: the returned gradients (the high plane is the
+    weight's), the low plane, one tile's buffers, one block of the weight-gradient product and
+    the tile's hidden rows and their gradient."""
+    vocab, hidden = weight_shape
+    returned = (vocab + batch_tokens) * hidden * itemsize
+    tile_buffers = tile * tile_bytes_per_token + BLOCK_BYTES + 2 * tile * hidden * itemsize
+    return returned + 2 * vocab * hidden + tile_buffers
+
+
+def _within_half_of_unfused(tile, batch_tokens, weight_shape, weight_dtype, tile_bytes_per_token) -> int:
+    from tile_pass._tiling import MIN_AUTO_TILE
+
+    itemsize = torch.empty((), dtype=weight_dtype).element_size()
+    bound = unfused_bytes(batch_tokens, weight_shape, itemsize, tile_bytes_per_token) // 2
+    shrunk = tile
+    while (
+        shrunk > MIN_AUTO_TILE
+        and held_bytes(shrunk, batch_tokens, weight_shape, itemsize, tile_bytes_per_token) > bound
+    ):
+        shrunk = max(MIN_AUTO_TILE, (shrunk - 1) // _TILE_STEP * _TILE_STEP)
+    fits = held_bytes(shrunk, batch_tokens, weight_shape, itemsize, tile_bytes_per_token) <= bound
+    return shrunk if fits else tile
 
 
 def _as_float32(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:

@@ -110,18 +110,16 @@ def _run_tiles(
         keep_logits_after,
     )  # fmt: skip
     rows = None if head.soft_targets else _labelled_rows(target, head.ignore_index, keep_logits_after)
-    if rows is not None and _plan(tiles, coef.dtype, rows.numel())[0] >= target.numel():
+    if rows is not None and _plan(tiles, coef.dtype, rows.numel(), target.numel())[0] >= target.numel():
         rows = None  # one tile at least as large as the batch: leaving tokens out saves no GEMM
     if rows is None:
         return _run_tile_loop(tiles, hidden, target, coef, token_losses_out, logits_out)
     losses = None if token_losses_out is None else token_losses_out.new_empty(rows.shape)
     total, grad_hidden, grad_weight, grad_bias = _run_tile_loop(
-        tiles, hidden.index_select(0, rows), target.index_select(0, rows), coef.index_select(0, rows), losses
+        tiles, hidden, target.index_select(0, rows), coef.index_select(0, rows), losses, rows=rows
     )
     if token_losses_out is not None:
         token_losses_out.zero_().index_copy_(0, rows, losses)
-    if grad_hidden is not None:
-        grad_hidden = hidden.new_zeros(hidden.shape).index_copy_(0, rows, grad_hidden)
     return total, grad_hidden, grad_weight, grad_bias
 
 
@@ -135,8 +133,9 @@ def _labelled_rows(target: torch.Tensor, ignore_index: int, keep_logits_after: i
     return None if rows.numel() == target.numel() else rows
 
 
-def _plan(tiles: _Tiles, acc_dtype: torch.dtype, num_tokens: int) -> tuple[int, str]:
-    """The tile and the weight-gradient schedule for ``num_tokens`` rows."""
+def _plan(tiles: _Tiles, acc_dtype: torch.dtype, num_tokens: int, batch_tokens: int) -> tuple[int, str]:
+    """The tile and the weight-gradient schedule for ``num_tokens`` rows of a batch of
+    ``batch_tokens`` tokens."""
     tile = effective_tile(num_tokens, tiles.tile_tokens)
     if not tiles.need_weight:
         return tile, "float32"
@@ -146,6 +145,7 @@ def _plan(tiles: _Tiles, acc_dtype: torch.dtype, num_tokens: int) -> tuple[int, 
     return _weight_grad.plan(
         num_tokens, tile, -tile_tokens if tile_tokens < 0 else None, tuple(weight.shape), weight.dtype,
         acc_dtype, tile_bytes_per_token(weight.shape[0], weight.dtype, upcast, tiles.compile_tiles),
+        batch_tokens,
     )  # fmt: skip
 
 
@@ -157,13 +157,18 @@ def _run_tile_loop(
     coef: torch.Tensor,
     token_losses_out: torch.Tensor | None = None,
     logits_out: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ):
+    """The tile loop over every row of ``hidden``, or over ``rows`` of it (then ``target`` and
+    ``coef`` hold those rows only): each tile gathers its rows, and their hidden gradient is
+    written into the batch's, zero elsewhere. No compacted copy of the batch is made."""
     weight, bias, extras, head = tiles.weight, tiles.bias, tiles.extras, tiles.head
     need_hidden, need_weight, need_bias = tiles.need_hidden, tiles.need_weight, tiles.need_bias
     compile_tiles, keep_logits_after = tiles.compile_tiles, tiles.keep_logits_after
-    num_tokens, hidden_size = hidden.shape
+    batch_tokens, hidden_size = hidden.shape
+    num_tokens = batch_tokens if rows is None else rows.numel()
     vocab_size = weight.shape[0]
-    tile, schedule = _plan(tiles, coef.dtype, num_tokens)
+    tile, schedule = _plan(tiles, coef.dtype, num_tokens, batch_tokens)
     key = KernelKey(
         head=head,
         tile=tile,
@@ -186,8 +191,11 @@ def _run_tile_loop(
     )
     acc = coef.dtype
     total = hidden.new_zeros((), dtype=acc)
-    whole = num_tokens == tile  # one tile, no padding: its hidden gradient is the result
-    grad_hidden = hidden.new_empty(hidden.shape) if need_hidden and not whole else None
+    whole = num_tokens == tile and rows is None  # one tile, no padding: its hidden gradient is the result
+    if need_hidden and not whole:
+        grad_hidden = hidden.new_empty(hidden.shape) if rows is None else hidden.new_zeros(hidden.shape)
+    else:
+        grad_hidden = None
     if schedule == "split":  # the float32 sum as two 16-bit planes (see _weight_grad)
         weight_acc = _weight_grad.zeros(weight.shape, weight.device)
     elif schedule == "direct":  # the only tile returns it
@@ -199,33 +207,36 @@ def _run_tile_loop(
     full_tile = tile_kernel(key) if num_tokens else None
     for start in range(0, num_tokens, tile):
         stop = min(start + tile, num_tokens)
-        rows = stop - start
+        count = stop - start
         # a short last tile runs a kernel of the next power of two above it (a bounded set
         # of sizes), padded with ignored tokens of zero weight, rather than a full padded tile
-        size = tile if rows == tile else effective_tile(rows, tile)
+        size = tile if count == tile else effective_tile(count, tile)
         kernel = full_tile if size == tile else tile_kernel(dataclasses.replace(key, tile=size))
-        h_t, y_t, c_t = hidden[start:stop], target[start:stop], coef[start:stop]
-        if rows < size:
-            h_t = torch.cat([h_t, h_t.new_zeros(size - rows, hidden_size)])
-            padding = y_t.new_zeros((size - rows, vocab_size)) if head.soft_targets else (
-                y_t.new_full((size - rows,), head.ignore_index)
+        h_t = hidden[start:stop] if rows is None else hidden.index_select(0, rows[start:stop])
+        y_t, c_t = target[start:stop], coef[start:stop]
+        if count < size:
+            h_t = torch.cat([h_t, h_t.new_zeros(size - count, hidden_size)])
+            padding = y_t.new_zeros((size - count, vocab_size)) if head.soft_targets else (
+                y_t.new_full((size - count,), head.ignore_index)
             )  # fmt: skip
             y_t = torch.cat([y_t, padding])
-            c_t = torch.cat([c_t, c_t.new_zeros(size - rows)])
+            c_t = torch.cat([c_t, c_t.new_zeros(size - count)])
         losses, grad_h_t, logits_t, grad_w_t = kernel(
             h_t, weight, bias, y_t, extras, c_t, weight_acc, bias_acc
         )
         if grad_w_t is not None:
             weight_acc = grad_w_t
         if logits_t is not None:
-            logits_out[start:stop] = logits_t[:rows]
-        total += losses[:rows].sum(dtype=acc)  # padding rows are not tokens (soft targets smooth them)
+            logits_out[start:stop] = logits_t[:count]
+        total += losses[:count].sum(dtype=acc)  # padding rows are not tokens (soft targets smooth them)
         if token_losses_out is not None:
-            token_losses_out[start:stop] = losses[:rows]
+            token_losses_out[start:stop] = losses[:count]
         if need_hidden and whole:
             grad_hidden = grad_h_t.to(hidden.dtype)
+        elif grad_hidden is not None and rows is None:
+            grad_hidden[start:stop] = grad_h_t[:count]
         elif grad_hidden is not None:
-            grad_hidden[start:stop] = grad_h_t[:rows]
+            grad_hidden.index_copy_(0, rows[start:stop], grad_h_t[:count].to(hidden.dtype))
     if schedule == "split":  # rounded once into the weight dtype, over the high plane
         weight_acc = finish_split(*weight_acc, weight.dtype, compile_tiles)
     return total, grad_hidden, weight_acc, bias_acc
