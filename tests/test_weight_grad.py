@@ -34,6 +34,7 @@ def special_values(shape, generator):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_split_sum_is_the_float32_sum_bit_for_bit(device, dtype, monkeypatch):
     monkeypatch.setattr(_weight_grad, "BLOCK_BYTES", 7 * 40 * 12)  # several blocks, a short last one
+    monkeypatch.setattr(_weight_grad, "_MIN_PRODUCT_BLOCK", 7 * 40 * 2)  # products of 7 rows too
     g = torch.Generator().manual_seed(0)
     shape = (23, 40)
     hi, lo = _weight_grad.zeros(shape, device)
@@ -53,6 +54,7 @@ def test_split_sum_is_the_float32_sum_bit_for_bit(device, dtype, monkeypatch):
         torch.randn(23, 9, generator=g).to(device, dtype),
         torch.randn(9, 40, generator=g).to(device, dtype),
     )
+    assert _weight_grad.product_block_rows(23, 40 * a.element_size()) == 7  # 7 + 7 + 7 + 2 rows
     _weight_grad.split_accumulate_mm_(hi, lo, a, b)
     reference.add_(torch.mm(a, b))
     result = _weight_grad.finish(hi, lo, dtype)
@@ -251,3 +253,51 @@ def test_direct_schedule_is_within_eagers_error(device, monkeypatch):
     ):
         assert g_.dtype == torch.bfloat16
         assert_no_worse_than_eager(g_, e, r, "grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("first", ["c_store", "zero_then_add"])
+def test_unwritten_planes_first_add_is_the_add_into_zeros(dtype, first):
+    """Planes of a tile loop start unzeroed: the first blocked product is stored (C loop) or the
+    planes are zeroed first; either way every bit is the float32 sum of zeros and the products,
+    negative zeros and NaN included, and planes nothing was added into settle to zeros."""
+    g = torch.Generator().manual_seed(4)
+    shape = (23, 40)
+    store = _split_sum_cpu.store(*(torch.empty(shape, dtype=d) for d in (torch.int16, torch.int16, dtype)))
+    if first == "c_store":
+        assert store is not None
+    else:
+        store = None
+    hi, lo = _weight_grad.unwritten_planes(shape, "cpu")
+    hi.fill_(12345), lo.fill_(-7)  # whatever the memory held
+    reference = torch.zeros(shape)
+    for step in range(3):
+        a = torch.randn(shape[0], 5, generator=g).to(dtype)
+        b = (
+            special_values((5, shape[1]), g).to(dtype)
+            if step == 0
+            else torch.randn(5, shape[1], generator=g).to(dtype)
+        )
+        product = torch.mm(a, b)
+        _weight_grad.split_accumulate_mm_(hi, lo, a, b, store=store)
+        reference.add_(product)
+        torch.testing.assert_close(
+            _weight_grad._as_float32(hi, lo), reference, rtol=0, atol=0, equal_nan=True
+        )
+        finite = reference.isfinite()
+        assert torch.equal(
+            _weight_grad._as_float32(hi, lo)[finite].view(torch.int32), reference[finite].view(torch.int32)
+        )
+    if store is not None:  # the store itself, on special values: 0 + x (a negative zero becomes +0)
+        x = special_values(shape, g).to(dtype)
+        x[1, :3] = torch.tensor([-0.0, 0.0, -0.0])
+        zeros = _weight_grad.zeros(shape, "cpu")
+        _weight_grad.split_add_(*zeros, x)
+        stored = [torch.full(shape, -1, dtype=torch.int16), torch.full(shape, -1, dtype=torch.int16)]
+        store(*stored, x)
+        assert torch.equal(stored[0], zeros[0]) and torch.equal(stored[1], zeros[1])
+    _weight_grad.settle(hi, lo)  # written: left as they are
+    torch.testing.assert_close(_weight_grad._as_float32(hi, lo), reference, rtol=0, atol=0, equal_nan=True)
+    untouched = _weight_grad.unwritten_planes(shape, "cpu")
+    untouched[0].fill_(3)
+    assert not _weight_grad.settle(*untouched)[0].any() and not untouched[1].any()

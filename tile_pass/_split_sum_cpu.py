@@ -56,6 +56,20 @@ extern "C" void kernel(uint16_t* hi, uint16_t* lo, const {x_type}* x, int64_t n)
 }}
 """
 
+#: The first contribution stored as the sum (``0 + x``, bit for bit: a negative zero becomes
+#: ``+0``), so the planes need no zeroing pass before the first tile.
+_STORE = r"""
+extern "C" void kernel(uint16_t* hi, uint16_t* lo, const {x_type}* x, int64_t n) {{
+    #pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; ++i) {{
+        uint32_t sum = as_bits({widen});
+        sum = sum == 0x80000000u ? 0u : sum;
+        hi[i] = uint16_t(sum >> 16);
+        lo[i] = uint16_t(sum);
+    }}
+}}
+"""
+
 #: The float32 sum rounded once into the returned dtype, over ``hi``. bfloat16 is c10's
 #: conversion (ties to even, NaN to the canonical quiet NaN) in integer arithmetic; float16 is
 #: the compiler's conversion, the same IEEE rounding as the vectorized eager ``.to()``.
@@ -103,6 +117,16 @@ def _add_kernel(dtype: torch.dtype):
 
 
 @functools.cache
+def _store_kernel(dtype: torch.dtype):
+    x_type, widen = _WIDEN[dtype]
+    return _build(
+        ["uint16_t*", "uint16_t*", f"const {x_type}*", "int64_t"],
+        _STORE.format(x_type=x_type, widen=widen),
+        f"store {dtype}",
+    )
+
+
+@functools.cache
 def _finish_kernel(dtype: torch.dtype):
     return _build(["uint16_t*", "const uint16_t*", "int64_t"], _ROUND[dtype] + _FINISH, f"round to {dtype}")
 
@@ -124,20 +148,31 @@ def _planes_and_contribution_fit(hi: torch.Tensor, lo: torch.Tensor, x: torch.Te
 def add(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
     """A function ``(hi, lo, x) -> None`` doing ``sum += x`` on the planes in place, for blocks of
     this layout, or ``None`` where the C loop does not apply or cannot be built."""
+    return _loop(_add_kernel, hi, lo, x)
+
+
+def store(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
+    """A function ``(hi, lo, x) -> None`` doing ``sum = 0 + x`` on unwritten planes, for blocks
+    of this layout, or ``None`` where the C loop does not apply or cannot be built."""
+    return _loop(_store_kernel, hi, lo, x)
+
+
+def _loop(build, hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
     if not _planes_and_contribution_fit(hi, lo, x):
         return None
-    kernel = _add_kernel(x.dtype)
+    dtype = x.dtype
+    kernel = build(dtype)
     if kernel is None:
         return None
 
-    def add_(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor) -> None:
-        if not _planes_and_contribution_fit(hi, lo, x):
+    def run(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor) -> None:
+        if x.dtype != dtype or not _planes_and_contribution_fit(hi, lo, x):
             raise ValueError(
-                "the split-sum C loop takes contiguous int16 planes and a contribution of their shape"
+                f"this split-sum C loop takes contiguous int16 planes and a same-shape {dtype} contribution"
             )
         kernel(hi, lo, x, hi.numel())
 
-    return add_
+    return run
 
 
 def finish(hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

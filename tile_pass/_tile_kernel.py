@@ -861,12 +861,12 @@ class _BlockedSplitAccumulate(torch.nn.Module):
 
     _is_impure = True  # it mutates the planes and returns nothing: never dead code
 
-    def __init__(self, add=None):
+    def __init__(self, add=None, store=None):
         super().__init__()
-        self.add = add
+        self.add, self.store = add, store
 
     def forward(self, hi, lo, a, b):
-        _weight_grad.split_accumulate_mm_(hi, lo, a, b, self.add)
+        _weight_grad.split_accumulate_mm_(hi, lo, a, b, self.add, self.store)
 
 
 def _compiled_split_add(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
@@ -925,15 +925,11 @@ def _block_split_accumulation(root: torch.fx.GraphModule, key: KernelKey) -> int
         chain = _chain_to(update, product)
         if product.target is not aten.mm.default or any(len(n.users) != 1 for n in chain):
             continue
-        add = None
+        add = store = None
         if key.compiled:
             V, H = key.vocab_size, key.hidden_size
-            step = max(
-                1,
-                _weight_grad.BLOCK_BYTES
-                // max(1, H * torch.empty((), dtype=key.weight_dtype).element_size()),
-            )
-            heights = _block_heights(V, step)
+            itemsize = torch.empty((), dtype=key.weight_dtype).element_size()
+            heights = _block_heights(V, _weight_grad.product_block_rows(V, H * itemsize))
             add = _SplitAddByBlockHeight({
                 h: _compiled_split_add(
                     torch.empty((h, H), dtype=torch.int16, device=key.device),
@@ -942,8 +938,11 @@ def _block_split_accumulation(root: torch.fx.GraphModule, key: KernelKey) -> int
                 )
                 for h in heights
             })  # fmt: skip
+            product_dtype = product.meta["val"].dtype if "val" in product.meta else key.weight_dtype
+            store = _split_sum_cpu.store(*(torch.empty((1, H), dtype=d, device=key.device) for d in (
+                torch.int16, torch.int16, product_dtype)))  # fmt: skip
         name = f"_split_accumulate_{rewritten}"
-        gm.add_submodule(name, _BlockedSplitAccumulate(add))
+        gm.add_submodule(name, _BlockedSplitAccumulate(add, store))
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(name, (hi, lo, *product.args))
         call.meta = dict(node.meta)

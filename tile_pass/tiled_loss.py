@@ -197,7 +197,7 @@ def _run_tile_loop(
     else:
         grad_hidden = None
     if schedule == "split":  # the float32 sum as two 16-bit planes (see _weight_grad)
-        weight_acc = _weight_grad.zeros(weight.shape, weight.device)
+        weight_acc = _weight_grad.unwritten_planes(weight.shape, weight.device)
     elif schedule == "direct":  # the only tile returns it
         weight_acc = weight.new_zeros(weight.shape) if need_weight and not num_tokens else None
     else:
@@ -238,7 +238,7 @@ def _run_tile_loop(
         elif grad_hidden is not None:
             grad_hidden.index_copy_(0, rows[start:stop], grad_h_t[:count].to(hidden.dtype))
     if schedule == "split":  # rounded once into the weight dtype, over the high plane
-        weight_acc = finish_split(*weight_acc, weight.dtype, compile_tiles)
+        weight_acc = finish_split(*_weight_grad.settle(*weight_acc), weight.dtype, compile_tiles)
     return total, grad_hidden, weight_acc, bias_acc
 
 

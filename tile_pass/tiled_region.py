@@ -208,7 +208,7 @@ def _run_tiles(
     ] if keep_outputs else None  # fmt: skip
     grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
     if split:  # the float32 sum as two 16-bit planes: 4 bytes per weight with the gradient
-        weight_acc = _weight_grad.zeros(weight.shape, weight.device)
+        weight_acc = _weight_grad.unwritten_planes(weight.shape, weight.device)
     else:
         weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
     bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
@@ -230,7 +230,7 @@ def _run_tiles(
         if need_hidden:
             grad_hidden[start:stop] = result[len(program.outputs)][:rows]
     if split:  # rounded once into the weight dtype, over the high plane
-        weight_acc = finish_split(*weight_acc, weight.dtype, compile_tiles)
+        weight_acc = finish_split(*_weight_grad.settle(*weight_acc), weight.dtype, compile_tiles)
     if need_hidden and program.shard is not None:  # each rank holds its shard's share
         group = torch.distributed.distributed_c10d._resolve_process_group(program.shard[0])
         torch.distributed.all_reduce(grad_hidden, group=group)
