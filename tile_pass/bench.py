@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import itertools
 import json
 import math
@@ -351,8 +352,9 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
         rewrites = info["backend"].report().rewrites
         out["fired"] = bool(rewrites)
         if rewrites:
-            out["tile_tokens"] = rewrites[0].tile_tokens
-            notes.append(f"tile={rewrites[0].tile_tokens}x{rewrites[0].num_tiles}")
+            ran = importlib.import_module("tile_pass.tiled_loss").last_tiles  # the plan of the labels
+            out["tile_tokens"] = ran[2] if ran else rewrites[0].tile_tokens
+            notes.append(f"tile={ran[2]}x{ran[1]} {ran[3]}" if ran else f"tile={rewrites[0].tile_tokens}")
         else:
             notes.append("NOT REWRITTEN")
     out.update(
