@@ -10,10 +10,17 @@ array. The same loop written once in C, on the 16-bit planes directly, is vector
 compiler and runs at memory speed: 36 ms instead of 94 ms for one pass over a 128256 x 1024
 plane pair on a 2-core Xeon (AVX-512), where a tile's three GEMMs take about 330 ms.
 
-The arithmetic is the eager definition's, element by element: the float32 value the planes
-hold (``hi << 16 | lo``), plus the contribution widened to float32, split again. One IEEE
-float32 add per element, so the result is bit-for-bit :func:`tile_pass._weight_grad.split_add_`
-(``tests/test_weight_grad.py`` checks it). Nothing here is a gradient formula.
+Three loops, each the eager definition element by element (``tests/test_weight_grad.py``
+checks them bit for bit, special values included):
+
+* ``add``: the float32 value the planes hold (``hi << 16 | lo``), plus the contribution
+  widened to float32, split again. One IEEE float32 add per element, as
+  :func:`tile_pass._weight_grad.split_add_`.
+* ``store``: the first tile's contribution into planes nobody zeroed (``0 + x``), which saves
+  the zeroing pass over both planes.
+* ``finish``: the sum rounded once into the returned dtype, over ``hi``.
+
+Nothing here is a gradient formula.
 
 The loops are built by ``CppPythonBindingsCodeCache``, the loader of Inductor's own CPU
 kernels (same compiler, flags and on-disk cache). Where it cannot build them, ``add`` returns

@@ -743,7 +743,7 @@ def rewrite_graph(
             tile_now, schedule = _weight_grad.plan(
                 tokens_hint, tile_now, -tile if tile < 0 else None, (vocab_hint, hidden_hint),
                 dtype, torch.promote_types(torch.float32, dtype),
-                tile_bytes_per_token(vocab_hint, dtype, region.upcast, compile_tiles),
+                tile_bytes_per_token(vocab_hint, dtype, region.upcast, compile_tiles), tokens_hint,
             )  # fmt: skip
         itemsize = torch.empty((), dtype=dtype).element_size()
         local_vocab = tensor_parallel[2] if tensor_parallel else vocab_size
