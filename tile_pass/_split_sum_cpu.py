@@ -113,23 +113,17 @@ def _build(argtypes: list[str], source: str, what: str):
         return None
 
 
-@functools.cache
-def _add_kernel(dtype: torch.dtype):
-    x_type, widen = _WIDEN[dtype]
-    return _build(
-        ["uint16_t*", "uint16_t*", f"const {x_type}*", "int64_t"],
-        _ADD.format(x_type=x_type, widen=widen),
-        f"add {dtype}",
-    )
+#: the loops over the planes and a contribution, by name
+_PLANE_LOOPS = {"add": _ADD, "store": _STORE}
 
 
 @functools.cache
-def _store_kernel(dtype: torch.dtype):
+def _contribution_kernel(loop: str, dtype: torch.dtype):
     x_type, widen = _WIDEN[dtype]
     return _build(
         ["uint16_t*", "uint16_t*", f"const {x_type}*", "int64_t"],
-        _STORE.format(x_type=x_type, widen=widen),
-        f"store {dtype}",
+        _PLANE_LOOPS[loop].format(x_type=x_type, widen=widen),
+        f"{loop} {dtype}",
     )
 
 
@@ -155,20 +149,20 @@ def _planes_and_contribution_fit(hi: torch.Tensor, lo: torch.Tensor, x: torch.Te
 def add(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
     """A function ``(hi, lo, x) -> None`` doing ``sum += x`` on the planes in place, for blocks of
     this layout, or ``None`` where the C loop does not apply or cannot be built."""
-    return _loop(_add_kernel, hi, lo, x)
+    return _loop("add", hi, lo, x)
 
 
 def store(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
     """A function ``(hi, lo, x) -> None`` doing ``sum = 0 + x`` on unwritten planes, for blocks
     of this layout, or ``None`` where the C loop does not apply or cannot be built."""
-    return _loop(_store_kernel, hi, lo, x)
+    return _loop("store", hi, lo, x)
 
 
-def _loop(build, hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
+def _loop(loop: str, hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
     if not _planes_and_contribution_fit(hi, lo, x):
         return None
     dtype = x.dtype
-    kernel = build(dtype)
+    kernel = _contribution_kernel(loop, dtype)
     if kernel is None:
         return None
 
