@@ -11,8 +11,9 @@ allocated by the first tile, reused by the others, freed when the loop ends. Out
 before.
 
 Reuse is safe because a tile's logits, and the gradient stored over them, are dead when its
-graph returns: the rewrite only applies to graphs that return no tensor of that layout.
-A shorter last tile takes a prefix of the same buffer, so the buffer is never held twice.
+graph returns, but for what it returns, and the loops copy every returned tile (kept logits,
+returned rows) into their outputs before the next tile runs. A shorter last tile takes a
+prefix of the same buffer, so the buffer is never held twice.
 """
 
 from __future__ import annotations

@@ -956,10 +956,10 @@ def _block_split_accumulation(root: torch.fx.GraphModule, key: KernelKey) -> int
 
 def _logits_into_shared_buffer(gm: torch.fx.GraphModule, key) -> bool:
     """On the CPU, make the logits GEMM write into the tile loop's shared buffer (see
-    :mod:`tile_pass._tile_buffers`). Only where nothing of that buffer outlives the tile: the
-    graph returns no tensor with the logits' shape and dtype (the logits themselves, the
-    gradient stored over them, or a view of either). A float32 GEMM routed to oneDNN, which
-    writes no given buffer, keeps its own."""
+    :mod:`tile_pass._tile_buffers`). A tile's logits, and the gradient stored over them, are
+    dead when its graph returns, except in what the graph returns: the tile loops copy every
+    returned tile (kept logits, returned rows) into their outputs before the next tile runs.
+    A float32 GEMM routed to oneDNN, which writes no given buffer, keeps its own."""
     logits = next((n for n in gm.graph.nodes if n.target in _GEMMS), None)
     if key.device.type != "cpu" or logits is None or logits.target not in _tile_buffers.REPLACES:
         return False
@@ -967,10 +967,6 @@ def _logits_into_shared_buffer(gm: torch.fx.GraphModule, key) -> bool:
     if logits.kwargs or not isinstance(tile, torch.Tensor) or not tile.is_contiguous():
         return False
     if key.onednn and tile.dtype == torch.float32:
-        return False
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    returned = [n.meta.get("val") for n in output.all_input_nodes]
-    if any(isinstance(v, torch.Tensor) and v.shape == tile.shape and v.dtype == tile.dtype for v in returned):
         return False
     logits.target = _tile_buffers.REPLACES[logits.target]
     gm.recompile()
