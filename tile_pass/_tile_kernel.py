@@ -598,7 +598,7 @@ class _RowBlocked(_Compiled):
     Inductor's CPU kernel for a whole tile makes each pass over all its rows in turn (the row
     maximum, the sum of exponentials, the gradient), so every pass reads the ``[tile, V]``
     buffer from memory; on a block of a few MiB the later passes find it in cache: a
-    512 x 128256 bfloat16 tile takes 94 ms instead of 115 on a 2-core Xeon. The rows are the
+    512 x 128256 bfloat16 tile takes 102 ms instead of 122 on a 2-core Xeon. The rows are the
     same function's; the logits gradient is stored over each block of the logits, and the
     other (per-token) outputs are gathered from the blocks."""
 
