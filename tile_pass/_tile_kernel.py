@@ -435,9 +435,7 @@ def _store_grad_over_logits(
     if call is None or index is None or len(call.args[index].users) != 1:
         return None
     logits = placeholders[index]
-    output = next(n for n in middle.graph.nodes if n.op == "output")
-    single = isinstance(output.args[0], torch.fx.Node)
-    results = [output.args[0]] if single else list(output.args[0])
+    results, single = _results(middle)
     if _aliases_of(logits) & set(results):
         return None
     tile = logits.meta.get("val")
@@ -461,7 +459,7 @@ def _store_grad_over_logits(
     graph = rewritten.graph
     new_placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     new_output = next(n for n in graph.nodes if n.op == "output")
-    new_results = [new_output.args[0]] if single else list(new_output.args[0])
+    new_results, _ = _results(rewritten)
     with graph.inserting_before(new_output):
         graph.call_function(aten.copy_.default, (new_placeholders[index], new_results[position]))
     new_output.args = (tuple(r for i, r in enumerate(new_results) if i != position),)
@@ -515,16 +513,17 @@ def _compile_middle(split: torch.fx.GraphModule, key, logits_name: str, block=No
         split.submod_1 = _RowBlocked(compiled, overwritten, *blocked)
 
 
+def _results(gm: torch.fx.GraphModule) -> tuple[list, bool]:
+    """What a graph returns, in order, and whether it returns one value rather than a tuple."""
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    single = isinstance(out, torch.fx.Node)
+    return ([out] if single else list(out)), single
+
+
 def _returned(gm: torch.fx.GraphModule) -> list | None:
     """The values a graph returns, in order (``None`` unless each is a traced tensor)."""
-    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    nodes = [out] if _returns_one(gm) else list(out)
-    vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in nodes]
+    vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in _results(gm)[0]]
     return vals if all(isinstance(v, torch.Tensor) for v in vals) else None
-
-
-def _returns_one(gm: torch.fx.GraphModule) -> bool:
-    return isinstance(next(n for n in gm.graph.nodes if n.op == "output").args[0], torch.fx.Node)
 
 
 def _token_rows(middle: torch.fx.GraphModule, block: torch.fx.GraphModule):
@@ -571,7 +570,7 @@ def _token_rows(middle: torch.fx.GraphModule, block: torch.fx.GraphModule):
     ):
         return None
     layouts = tuple((tuple(f.shape), f.dtype) for f in outputs[0])
-    return rows, tuple(token_inputs), layouts, _returns_one(block)
+    return rows, tuple(token_inputs), layouts, _results(block)[1]
 
 
 def _written_inputs(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:

@@ -239,9 +239,7 @@ def _blocks(rows: int, row_bytes: int):
 @torch.library.custom_op("tile_pass::split_accumulate_", mutates_args=("hi", "lo"))
 def split_accumulate_(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor) -> None:
     """``sum += x`` on the planes ``(hi, lo)`` of a float32 sum, in row blocks."""
-    if _claim(hi):
-        hi.zero_()
-        lo.zero_()
+    _zero_if_unwritten(hi, lo)
     for start, stop in _blocks(hi.shape[0], hi[0].numel() * 12 if hi.dim() else 12):
         split_add_(hi[start:stop], lo[start:stop], x[start:stop])
 
@@ -260,12 +258,9 @@ def split_accumulate_mm_(
     block)``, where given, writes the first contribution into planes no add has written yet
     (see :func:`unwritten_planes`), which are otherwise zeroed first."""
     add = add or split_add_
-    if _claim(hi):
-        if store is not None:
-            add = store
-        else:
-            hi.zero_()
-            lo.zero_()
+    if store is not None and _claim(hi):
+        add = store
+    _zero_if_unwritten(hi, lo)
     step = product_block_rows(hi.shape[0], b.shape[1] * max(a.element_size(), 1))
     blocks = [(start, min(start + step, hi.shape[0])) for start in range(0, hi.shape[0], step)]
     if not blocks:
@@ -310,11 +305,15 @@ def unwritten_planes(shape, device) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-def settle(hi: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The planes of :func:`unwritten_planes` after the loop: zeros if no add wrote them."""
+def _zero_if_unwritten(hi: torch.Tensor, lo: torch.Tensor) -> None:
     if _claim(hi):
         hi.zero_()
         lo.zero_()
+
+
+def settle(hi: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The planes of :func:`unwritten_planes` after the loop: zeros if no add wrote them."""
+    _zero_if_unwritten(hi, lo)
     return hi, lo
 
 
