@@ -364,3 +364,63 @@ def test_kernel_caches_are_bounded_and_clearable(monkeypatch):
     tile_pass.clear_caches()
     assert len(_tile_kernel._cache) == 0 and len(_tile_kernel._compiled_adds) == 0
     assert tile_kernel(key) is not None  # rebuilt on next use
+
+
+def _vm_flags(tensor: torch.Tensor) -> set[str]:
+    """The kernel's flags for the mapping that holds ``tensor``'s middle byte (the hint
+    covers the whole huge pages inside a buffer, not its unaligned ends)."""
+    address = tensor.data_ptr() + tensor.numel() * tensor.element_size() // 2
+    flags, inside = None, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                flags = set(line.split()[1:])
+                break
+    assert flags is not None
+    return flags
+
+
+huge_pages_apply = pytest.mark.skipif(
+    _tile_buffers._madvise() is None, reason="no transparent huge pages to ask for here"
+)
+
+
+@huge_pages_apply
+def test_large_buffers_ask_for_huge_pages_small_ones_do_not(monkeypatch, restore_settings):
+    large = _tile_buffers.empty((_tile_buffers.HUGE_PAGE_MIN_BYTES // 2 + 4096,), torch.int16, "cpu")
+    assert "hg" in _vm_flags(large)
+    small = _tile_buffers.zeros((1 << 20,), torch.int16, "cpu")  # may share glibc's heap: no hint
+    assert "hg" not in _vm_flags(small) and not small.any()
+    monkeypatch.setenv(_settings.HUGE_PAGES_ENV, "off")
+    _settings.reload()
+    plain = _tile_buffers.empty((_tile_buffers.HUGE_PAGE_MIN_BYTES,), torch.int8, "cpu")
+    assert "hg" not in _vm_flags(plain)
+
+
+def test_a_bad_huge_pages_setting_names_the_values(monkeypatch, restore_settings):
+    monkeypatch.setenv(_settings.HUGE_PAGES_ENV, "yes")
+    with pytest.raises(ValueError, match="TILE_PASS_HUGE_PAGES='yes'.*'on'.*'off'"):
+        _settings.reload()
+
+
+def test_only_a_returned_weight_gradient_gets_a_buffer_of_its_own(monkeypatch):
+    """The only tile's weight gradient (the ``direct`` schedule, returned) is formed into a
+    buffer of its own from _tile_buffers.empty, as is the returned hidden gradient (here above
+    the lowered size threshold); a weight gradient summed across tiles is not."""
+    monkeypatch.setattr(_tile_buffers, "HUGE_PAGE_MIN_BYTES", 1)
+    _tile_kernel.clear_caches()
+    try:
+        summed = key_for(torch.bfloat16, ops=(("cast", "float32"),))
+        direct = dataclasses.replace(summed, weight_grad="direct")
+        assert len(graph_calls(tile_kernel(direct), _tile_buffers.fresh_mm)) == 2  # dW and dh
+        assert len(graph_calls(tile_kernel(summed), _tile_buffers.fresh_mm)) == 1  # dh
+        losses, grad_hidden, _, grad_weight = tile_kernel(direct)(*make_inputs(direct)[:6], None, None)
+        eager = dataclasses.replace(direct, compiled=False)
+        want = tile_kernel(eager)(*make_inputs(eager)[:6], None, None)
+        torch.testing.assert_close(grad_weight, want[3], rtol=0, atol=0)
+    finally:
+        _tile_kernel.clear_caches()

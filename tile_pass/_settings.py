@@ -20,12 +20,17 @@ _CPU_GEMMS = ("onednn", "aten")
 #: 16-bit weights) holds the same float32 sum in two 16-bit planes (4); see _weight_grad.
 WEIGHT_GRAD_SUM_ENV = "TILE_PASS_WEIGHT_GRAD_SUM"
 _WEIGHT_GRAD_SUMS = ("auto", "split", "float32")
+#: ``TILE_PASS_HUGE_PAGES=off`` leaves tile_pass's large CPU buffers on the system's default
+#: pages; ``on`` (the default) asks Linux for transparent huge pages on them (see _tile_buffers).
+HUGE_PAGES_ENV = "TILE_PASS_HUGE_PAGES"
+_HUGE_PAGES = ("on", "off")
 
 
 @dataclass(frozen=True)
 class Settings:
     cpu_gemm: str  # "onednn" or "aten"
     weight_grad_sum: str = "auto"  # "auto", "split" or "float32"
+    huge_pages: bool = True
 
 
 def _default_cpu_gemm() -> str:
@@ -45,7 +50,13 @@ def _read() -> Settings:
             f"{WEIGHT_GRAD_SUM_ENV}={weight_grad_sum!r}: expected one of {_WEIGHT_GRAD_SUMS}; "
             "unset it or set it to one of those"
         )
-    return Settings(cpu_gemm=cpu_gemm, weight_grad_sum=weight_grad_sum)
+    huge_pages = os.environ.get(HUGE_PAGES_ENV, "").strip().lower() or "on"
+    if huge_pages not in _HUGE_PAGES:
+        raise ValueError(
+            f"{HUGE_PAGES_ENV}={huge_pages!r}: expected 'on' (the default) or 'off'; "
+            "unset it or set it to one of those"
+        )
+    return Settings(cpu_gemm=cpu_gemm, weight_grad_sum=weight_grad_sum, huge_pages=huge_pages == "on")
 
 
 _current = _read()

@@ -14,18 +14,80 @@ Reuse is safe because a tile's logits, and the gradient stored over them, are de
 graph returns, but for what it returns, and the loops copy every returned tile (kept logits,
 returned rows) into their outputs before the next tile runs. A shorter last tile takes a
 prefix of the same buffer, so the buffer is never held twice.
+
+Every large CPU buffer tile_pass makes (this one, the weight-gradient sums, the gradients it
+returns) comes from :func:`empty`, which asks Linux for transparent huge pages on it where the
+system leaves that to the program (``madvise`` mode, the common default): a 256 MiB buffer
+then faults in 128 pages instead of 65536 and its passes miss the TLB less. On a 2-core Xeon a
+1024 x 128256 bfloat16 logits GEMM into a fresh buffer takes 195 ms instead of 250, and a first
+write of 256 MiB 23 ms instead of 60. ``TILE_PASS_HUGE_PAGES=off`` turns it off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import math
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from tile_pass import _settings
 
 _local = threading.local()
+
+_HUGE_PAGE_BYTES = 2 << 20
+_MADV_HUGEPAGE = 14
+#: Smaller allocations may be carved from glibc's heap beside other objects (32 MiB is the
+#: most its dynamic threshold for an allocation of its own mapping can reach), where a hint
+#: would outlive the buffer.
+HUGE_PAGE_MIN_BYTES = 32 << 20
+
+
+@functools.cache
+def _madvise():
+    """libc's ``madvise`` where transparent huge pages can be asked for, else ``None``."""
+    if sys.platform != "linux":
+        return None
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    if "[never]" in mode:
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty``, on huge pages where that is asked for and the buffer is large enough
+    to have a mapping of its own (the hint covers the whole huge pages inside it, before any
+    is touched). A refused hint changes nothing but speed."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES or not _settings.current().huge_pages:
+        return tensor
+    if is_fake(tensor):  # traced, not run
+        return tensor
+    madvise = _madvise()
+    if madvise is not None:
+        start = -(-tensor.data_ptr() // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
+        stop = (tensor.data_ptr() + nbytes) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
+        if stop > start:
+            madvise(start, stop - start, _MADV_HUGEPAGE)
+    return tensor
+
+
+def zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """:func:`empty`, zeroed."""
+    return empty(shape, dtype, device).zero_()
 
 
 @contextlib.contextmanager
@@ -42,13 +104,13 @@ def shared() -> Iterator[None]:
 def _take(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     buffers = getattr(_local, "buffers", None)
     if buffers is None:
-        return torch.empty(shape, dtype=dtype, device=device)
+        return empty(shape, dtype, device)
     numel, key = math.prod(shape), (dtype, device)
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < numel:
         buffers.pop(key, None)
         del buffer  # the smaller buffer goes before the larger one is made
-        buffer = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        buffer = buffers[key] = empty(numel, dtype, device)
     return buffer[:numel].view(shape)
 
 
@@ -60,6 +122,12 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``bias + a @ b`` (``aten.addmm``), written into the scope's buffer."""
     return torch.addmm(bias, a, b, out=_take((a.shape[0], b.shape[1]), a.dtype, a.device))
+
+
+def fresh_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (``aten.mm``) into a buffer of its own from :func:`empty`: for a large GEMM
+    output that outlives the tile (the weight gradient of the only tile)."""
+    return torch.mm(a, b, out=empty((a.shape[0], b.shape[1]), a.dtype, a.device))
 
 
 #: the aten GEMM each function stands for

@@ -36,6 +36,7 @@ from torch.fx.passes.split_module import split_module
 
 from tile_pass import _settings, _split_sum_cpu, _tile_buffers, _weight_grad
 from tile_pass._logging import log
+from tile_pass._simplify import simplify
 
 aten = torch.ops.aten
 
@@ -327,7 +328,13 @@ def _accumulate_weight_grad_in_place(gm: torch.fx.GraphModule) -> int:
     return fused
 
 
-_GEMMS = {aten.mm.default, aten.addmm.default, aten.addmm_.default, *_tile_buffers.REPLACES.values()}
+_GEMMS = {
+    aten.mm.default,
+    aten.addmm.default,
+    aten.addmm_.default,
+    *_tile_buffers.REPLACES.values(),
+    _tile_buffers.fresh_mm,
+}
 _VIEWS = {aten.t.default, aten.detach.default, aten.view.default, aten.transpose.int, aten.permute.default}
 
 
@@ -499,9 +506,11 @@ def _compile_middle(split: torch.fx.GraphModule, key, logits_name: str, block=No
     from torch._inductor.compile_fx import compile_fx
 
     middle, overwritten = _middle_with_store(split, logits_name, key)
+    simplify(middle)
     blocked = None
     if block is not None:
         block_middle, block_overwritten = _middle_with_store(*block, key)
+        simplify(block_middle)
         tokens = _token_rows(middle, block_middle) if block_overwritten == overwritten else None
         if tokens is not None:
             middle, blocked = block_middle, tokens
@@ -972,6 +981,34 @@ def _logits_into_shared_buffer(gm: torch.fx.GraphModule, key) -> bool:
     return True
 
 
+def _returned_gemms_on_huge_pages(gm: torch.fx.GraphModule, key) -> int:
+    """On the CPU, give each GEMM output the graph returns (the weight gradient of the only
+    tile) a buffer from :func:`tile_pass._tile_buffers.empty` where it is large enough for
+    huge pages; the number rewritten. A float32 GEMM routed to oneDNN keeps its own, as for
+    the logits; a GEMM whose output is summed into, not returned, is left to the schedules."""
+    if key.device.type != "cpu":
+        return 0
+    returned = set()
+    for node in _results(gm)[0]:
+        while isinstance(node, torch.fx.Node) and node.target in _VIEWS:
+            node = node.args[0]
+        returned.add(node)
+    moved = 0
+    for node in returned:
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if node.target is not aten.mm.default or node.kwargs or not isinstance(val, torch.Tensor):
+            continue
+        if val.numel() * val.element_size() < _tile_buffers.HUGE_PAGE_MIN_BYTES:
+            continue
+        if key.onednn and val.dtype == torch.float32:
+            continue
+        node.target = _tile_buffers.fresh_mm
+        moved += 1
+    if moved:
+        gm.recompile()
+    return moved
+
+
 #: Bytes of logits per block of rows the compiled middle runs on the CPU (see :class:`_RowBlocked`).
 MIDDLE_BLOCK_BYTES = 8 * 1024 * 1024
 _MIN_MIDDLE_BLOCK = 8
@@ -1014,6 +1051,7 @@ def finish_tile_graph(gm: torch.fx.GraphModule, key, retrace=None) -> torch.fx.G
     ``rows`` tokens, for the CPU's blocked middle (without it the middle runs whole)."""
     _accumulate_weight_grad_in_place(gm)
     _logits_into_shared_buffer(gm, key)
+    _returned_gemms_on_huge_pages(gm, key)
     if key.compiled:
         logits = next((n for n in gm.graph.nodes if n.target in _GEMMS), None)
         split = _split_at_gemms(gm)

@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from tile_pass import _settings
+from tile_pass import _settings, _tile_buffers
 
 #: Rows of a ``[V, H]`` plane handled at a time: bounds the int32/float32 temporaries of the
 #: eager implementation and the product block of :func:`split_accumulate_mm_`.
@@ -299,8 +299,8 @@ def unwritten_planes(shape, device) -> tuple[torch.Tensor, torch.Tensor]:
     added. A marker left by a loop that raised is harmless: it is claimed by the first add
     into whatever planes next occupy that memory, and the first add into a sum of zeros is a
     store."""
-    hi = torch.empty(shape, dtype=torch.int16, device=device)
-    lo = torch.empty(shape, dtype=torch.int16, device=device)
+    hi = _tile_buffers.empty(shape, torch.int16, device)
+    lo = _tile_buffers.empty(shape, torch.int16, device)
     _unwritten().add((hi.data_ptr(), hi.numel()))
     return hi, lo
 
@@ -320,8 +320,8 @@ def settle(hi: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def zeros(shape, device) -> tuple[torch.Tensor, torch.Tensor]:
     """A float32 sum of zeros, as its two planes."""
     return (
-        torch.zeros(shape, dtype=torch.int16, device=device),
-        torch.zeros(shape, dtype=torch.int16, device=device),
+        _tile_buffers.zeros(shape, torch.int16, device),
+        _tile_buffers.zeros(shape, torch.int16, device),
     )
 
 

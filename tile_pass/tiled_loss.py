@@ -202,15 +202,17 @@ def _run_tile_loop(
     total = hidden.new_zeros((), dtype=acc)
     whole = num_tokens == tile and rows is None  # one tile, no padding: its hidden gradient is the result
     if need_hidden and not whole:
-        grad_hidden = hidden.new_empty(hidden.shape) if rows is None else hidden.new_zeros(hidden.shape)
+        make = _tile_buffers.empty if rows is None else _tile_buffers.zeros
+        grad_hidden = make(hidden.shape, hidden.dtype, hidden.device)
     else:
         grad_hidden = None
     if schedule == "split":  # the float32 sum as two 16-bit planes (see _weight_grad)
         weight_acc = _weight_grad.unwritten_planes(weight.shape, weight.device)
     elif schedule == "direct":  # the only tile returns it
-        weight_acc = weight.new_zeros(weight.shape) if need_weight and not num_tokens else None
+        no_tiles = need_weight and not num_tokens
+        weight_acc = _tile_buffers.zeros(weight.shape, weight.dtype, weight.device) if no_tiles else None
     else:
-        weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
+        weight_acc = _tile_buffers.zeros(weight.shape, acc, weight.device) if need_weight else None
     bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
 
     full_tile = tile_kernel(key) if num_tokens else None
@@ -397,7 +399,7 @@ def _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after: int) ->
         return _empty(hidden)
     ops = LossHead.parse_ops(head_spec)[:keep_logits_after]
     dtype = _loss_dtype_cached(json.dumps(ops), hidden.dtype, tuple((e.dtype, e.dim()) for e in extras))
-    return hidden.new_empty((hidden.shape[0], weight.shape[0]), dtype=dtype)
+    return _tile_buffers.empty((hidden.shape[0], weight.shape[0]), dtype, hidden.device)
 
 
 def _reduced_setup_context(ctx, inputs, output):

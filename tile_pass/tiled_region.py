@@ -203,14 +203,14 @@ def _run_tiles(
     )
     split = key.weight_grad == "split"
     outputs = [
-        hidden.new_empty((num_tokens, *_region.row_part(out.layout, vocab_size)), dtype=out.dtype)
+        _tile_buffers.empty((num_tokens, *_region.row_part(out.layout, vocab_size)), out.dtype, hidden.device)
         for out in program.outputs
     ] if keep_outputs else None  # fmt: skip
-    grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
+    grad_hidden = _tile_buffers.empty(hidden.shape, hidden.dtype, hidden.device) if need_hidden else None
     if split:  # the float32 sum as two 16-bit planes: 4 bytes per weight with the gradient
         weight_acc = _weight_grad.unwritten_planes(weight.shape, weight.device)
     else:
-        weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
+        weight_acc = _tile_buffers.zeros(weight.shape, acc, weight.device) if need_weight else None
     bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
     for start in range(0, num_tokens, tile):
         stop = min(start + tile, num_tokens)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from tile_pass import _tile_buffers
 from tile_pass._tile_kernel import (
     differentiable,
     finish_tile_graph,
@@ -149,8 +150,10 @@ def _vocab_parallel_ce(
         onednn_gemms_apply(hidden.device),
     )  # fmt: skip
     total = hidden.new_zeros((), dtype=acc)
-    grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty((0,))
-    weight_acc = weight.new_zeros(weight.shape, dtype=acc) if need_weight else None
+    grad_hidden = hidden.new_empty((0,))
+    if need_hidden:
+        grad_hidden = _tile_buffers.empty(hidden.shape, hidden.dtype, hidden.device)
+    weight_acc = _tile_buffers.zeros(weight.shape, acc, weight.device) if need_weight else None
     # every rank runs the same tiles in the same order: the collectives pair up
     for start in range(0, num_tokens, tile):
         stop = min(start + tile, num_tokens)
