@@ -407,11 +407,10 @@ def test_a_bad_huge_pages_setting_names_the_values(monkeypatch, restore_settings
         _settings.reload()
 
 
-def test_only_a_returned_weight_gradient_gets_a_buffer_of_its_own(monkeypatch):
+def test_only_a_returned_weight_gradient_gets_a_buffer_of_its_own():
     """The only tile's weight gradient (the ``direct`` schedule, returned) is formed into a
-    buffer of its own from _tile_buffers.empty, as is the returned hidden gradient (here above
-    the lowered size threshold); a weight gradient summed across tiles is not."""
-    monkeypatch.setattr(_tile_buffers, "HUGE_PAGE_MIN_BYTES", 1)
+    buffer of its own from _tile_buffers.empty (huge pages where it is large enough), as is the
+    returned hidden gradient; a weight gradient summed across tiles is not."""
     _tile_kernel.clear_caches()
     try:
         summed = key_for(torch.bfloat16, ops=(("cast", "float32"),))

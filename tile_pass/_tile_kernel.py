@@ -582,6 +582,13 @@ def _token_rows(middle: torch.fx.GraphModule, block: torch.fx.GraphModule):
     return rows, tuple(token_inputs), layouts, _results(block)[1]
 
 
+def _view_source(value):
+    """What ``value`` is a view of, through any chain of views (``value`` itself if none)."""
+    while isinstance(value, torch.fx.Node) and value.op != "placeholder" and value.target in _VIEWS:
+        value = value.args[0]
+    return value
+
+
 def _written_inputs(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """The placeholders an in-place op of ``gm`` writes to (through views)."""
     written = set()
@@ -593,8 +600,7 @@ def _written_inputs(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
             if argument.alias_info is None or not argument.alias_info.is_write:
                 continue
             value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
-            while isinstance(value, torch.fx.Node) and value.op != "placeholder" and value.target in _VIEWS:
-                value = value.args[0]
+            value = _view_source(value)
             if isinstance(value, torch.fx.Node):
                 written.add(value)
     return written
@@ -983,24 +989,18 @@ def _logits_into_shared_buffer(gm: torch.fx.GraphModule, key) -> bool:
 
 def _returned_gemms_on_huge_pages(gm: torch.fx.GraphModule, key) -> int:
     """On the CPU, give each GEMM output the graph returns (the weight gradient of the only
-    tile) a buffer from :func:`tile_pass._tile_buffers.empty` where it is large enough for
-    huge pages; the number rewritten. A float32 GEMM routed to oneDNN keeps its own, as for
-    the logits; a GEMM whose output is summed into, not returned, is left to the schedules."""
+    tile) a buffer from :func:`tile_pass._tile_buffers.empty`, which puts it on huge pages
+    where it is large enough; the number rewritten. A float32 GEMM routed to oneDNN keeps its
+    own, as for the logits; a GEMM whose output is summed into, not returned, is left to the
+    schedules."""
     if key.device.type != "cpu":
         return 0
-    returned = set()
-    for node in _results(gm)[0]:
-        while isinstance(node, torch.fx.Node) and node.target in _VIEWS:
-            node = node.args[0]
-        returned.add(node)
     moved = 0
-    for node in returned:
-        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-        if node.target is not aten.mm.default or node.kwargs or not isinstance(val, torch.Tensor):
+    for node in {_view_source(result) for result in _results(gm)[0]}:
+        if not isinstance(node, torch.fx.Node) or node.target is not aten.mm.default or node.kwargs:
             continue
-        if val.numel() * val.element_size() < _tile_buffers.HUGE_PAGE_MIN_BYTES:
-            continue
-        if key.onednn and val.dtype == torch.float32:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or (key.onednn and val.dtype == torch.float32):
             continue
         node.target = _tile_buffers.fresh_mm
         moved += 1
