@@ -301,3 +301,66 @@ def test_unwritten_planes_first_add_is_the_add_into_zeros(dtype, first):
     untouched = _weight_grad.unwritten_planes(shape, "cpu")
     untouched[0].fill_(3)
     assert not _weight_grad.settle(*untouched)[0].any() and not untouched[1].any()
+
+
+@pytest.mark.parametrize("rounded", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_last_add_rounds_as_add_then_finish(dtype, rounded):
+    """The last tile's add-and-round C loop gives, bit for bit, the add followed by the finish
+    pass (ties, overflow, subnormals, NaN and random sums), and only inside ``last_add``."""
+    add_and_round = _split_sum_cpu.add_and_round(
+        *(torch.empty((1, 40), dtype=d) for d in (torch.int16, torch.int16, dtype)), rounded
+    )
+    assert add_and_round is not None
+    g = torch.Generator().manual_seed(5)
+    shape = (23, 40)
+    hi, lo = _weight_grad.zeros(shape, "cpu")
+    _weight_grad.split_add_(hi, lo, special_values(shape, g))
+    bits = torch.randint(-(2**31), 2**31 - 1, (4, 40), generator=g, dtype=torch.int64).to(torch.int32)
+    bits[0, :4] = torch.tensor([0x3F808000, 0x3F818000, 0x477FF000, 0x477FE000], dtype=torch.int32)
+    hi[4:8], lo[4:8] = (bits >> 16).to(torch.int16), bits.to(torch.int16)
+    a = torch.randn(shape[0], 3, generator=g).to(dtype)
+    b = torch.randn(3, shape[1], generator=g).to(dtype)
+    a[4:8] = 0  # rows 4-7 keep the sums above: their rounding is the add's
+
+    def planes():
+        return [p.clone() for p in (hi, lo)]
+
+    eager = planes()
+    _weight_grad.split_accumulate_mm_(*eager, a, b)
+    eager = _weight_grad.finish(*eager, rounded)
+    outside = planes()
+    _weight_grad.split_accumulate_mm_(*outside, a, b, add_and_round=add_and_round)
+    assert not _weight_grad.rounded_by_last_add(outside[0])  # outside last_add: a plain add
+    expected = _tile_kernel.finish_split(*outside, rounded, compiled=True)  # the C finish pass
+
+    with _weight_grad.last_add(hi):
+        _weight_grad.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
+    got = _tile_kernel.finish_split(hi, lo, rounded, compiled=True)
+    assert got.data_ptr() == hi.data_ptr() and got.dtype == rounded
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    torch.testing.assert_close(got, eager, rtol=0, atol=0, equal_nan=True)  # NaN stays NaN
+    assert not _weight_grad.rounded_by_last_add(hi)  # taken by the finish
+
+
+def test_rounding_marks_do_not_outlive_their_loop(monkeypatch):
+    """A ``last_add`` whose tile never added leaves nothing behind, and planes made where a
+    loop that raised left its rounded mark start unrounded."""
+    shape = (8, 16)
+    hi, lo = _weight_grad.unwritten_planes(shape, "cpu")
+    with _weight_grad.last_add(hi):
+        pass
+    a, b = torch.randn(8, 2).to(torch.bfloat16), torch.randn(2, 16).to(torch.bfloat16)
+    add_and_round = _split_sum_cpu.add_and_round(
+        hi, lo, torch.empty(shape, dtype=torch.bfloat16), torch.bfloat16
+    )
+    _weight_grad.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
+    assert not _weight_grad.rounded_by_last_add(hi)
+    with _weight_grad.last_add(hi):
+        _weight_grad.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
+    # the loop raises here, before its finish; the next loop's planes take the same memory
+    memory = iter([hi, lo])
+    monkeypatch.setattr(_weight_grad._tile_buffers, "empty", lambda *args: next(memory))
+    again, _ = _weight_grad.unwritten_planes(shape, "cpu")
+    assert again.data_ptr() == hi.data_ptr()
+    assert not _weight_grad.rounded_by_last_add(again)

@@ -875,12 +875,12 @@ class _BlockedSplitAccumulate(torch.nn.Module):
 
     _is_impure = True  # it mutates the planes and returns nothing: never dead code
 
-    def __init__(self, add=None, store=None):
+    def __init__(self, add=None, store=None, add_and_round=None):
         super().__init__()
-        self.add, self.store = add, store
+        self.add, self.store, self.add_and_round = add, store, add_and_round
 
     def forward(self, hi, lo, a, b):
-        _weight_grad.split_accumulate_mm_(hi, lo, a, b, self.add, self.store)
+        _weight_grad.split_accumulate_mm_(hi, lo, a, b, self.add, self.store, self.add_and_round)
 
 
 def _compiled_split_add(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
@@ -902,7 +902,10 @@ def finish_split(hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype, compile
     """:func:`tile_pass._weight_grad.finish`; with ``compiled``, one vectorized pass with no
     temporaries: on the CPU the C loop of :mod:`tile_pass._split_sum_cpu`, otherwise (bfloat16
     planes whose rows pair up) an Inductor kernel over the int32 words, compiled once per
-    shape. Each rounds as the eager conversion does."""
+    shape. Each rounds as the eager conversion does. Planes the last tile's add already rounded
+    (:func:`tile_pass._weight_grad.last_add`) are returned as they are."""
+    if _weight_grad.rounded_by_last_add(hi):
+        return hi.view(dtype)
     if compiled:
         rounded = _split_sum_cpu.finish(hi, lo, dtype)
         if rounded is not None:
@@ -939,7 +942,7 @@ def _block_split_accumulation(root: torch.fx.GraphModule, key: KernelKey) -> int
         chain = _chain_to(update, product)
         if product.target is not aten.mm.default or any(len(n.users) != 1 for n in chain):
             continue
-        add = store = None
+        add = store = add_and_round = None
         if key.compiled:
             V, H = key.vocab_size, key.hidden_size
             itemsize = torch.empty((), dtype=key.weight_dtype).element_size()
@@ -953,10 +956,14 @@ def _block_split_accumulation(root: torch.fx.GraphModule, key: KernelKey) -> int
                 for h in heights
             })  # fmt: skip
             product_dtype = product.meta["val"].dtype if "val" in product.meta else key.weight_dtype
-            store = _split_sum_cpu.store(*(torch.empty((1, H), dtype=d, device=key.device) for d in (
-                torch.int16, torch.int16, product_dtype)))  # fmt: skip
+            row = [
+                torch.empty((1, H), dtype=d, device=key.device)
+                for d in (torch.int16, torch.int16, product_dtype)
+            ]
+            store = _split_sum_cpu.store(*row)
+            add_and_round = _split_sum_cpu.add_and_round(*row, key.weight_dtype)
         name = f"_split_accumulate_{rewritten}"
-        gm.add_submodule(name, _BlockedSplitAccumulate(add, store))
+        gm.add_submodule(name, _BlockedSplitAccumulate(add, store, add_and_round))
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(name, (hi, lo, *product.args))
         call.meta = dict(node.meta)

@@ -19,7 +19,9 @@ function; this only changes how their float32 sum is stored.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -250,17 +252,27 @@ def _(hi, lo, x):
 
 
 def split_accumulate_mm_(
-    hi: torch.Tensor, lo: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add=None, store=None
+    hi: torch.Tensor,
+    lo: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    add=None,
+    store=None,
+    add_and_round=None,
 ) -> None:
     """``sum += a @ b``, the product formed one block of rows at a time in the model dtype (as
     the derived graph forms it), so no ``[V, H]`` temporary exists. ``add(hi, lo, block)`` is
     the per-block add (a compiled :func:`split_add_` in compiled tiles); ``store(hi, lo,
     block)``, where given, writes the first contribution into planes no add has written yet
-    (see :func:`unwritten_planes`), which are otherwise zeroed first."""
+    (see :func:`unwritten_planes`), which are otherwise zeroed first; ``add_and_round``, where
+    given, is the add used inside :func:`last_add`, which also rounds the sum over ``hi``."""
     add = add or split_add_
     if store is not None and _claim(hi):
         add = store
-    _zero_if_unwritten(hi, lo)
+    else:
+        _zero_if_unwritten(hi, lo)
+        if add_and_round is not None and _claim_rounding(hi):
+            add = add_and_round
     step = product_block_rows(hi.shape[0], b.shape[1] * max(a.element_size(), 1))
     blocks = [(start, min(start + step, hi.shape[0])) for start in range(0, hi.shape[0], step)]
     if not blocks:
@@ -275,21 +287,63 @@ def split_accumulate_mm_(
 _local = threading.local()
 
 
-def _unwritten() -> set:
-    planes = getattr(_local, "unwritten", None)
+def _marked(name: str) -> set:
+    """This thread's planes (by their high plane's address and size) in the state ``name``:
+    ``unwritten`` (no add has written them), ``last`` (inside :func:`last_add`), ``rounded``
+    (an add rounded them)."""
+    planes = getattr(_local, name, None)
     if planes is None:
-        planes = _local.unwritten = set()
+        planes = set()
+        setattr(_local, name, planes)
     return planes
+
+
+def _unwritten() -> set:
+    return _marked("unwritten")
+
+
+def _key(hi: torch.Tensor) -> tuple[int, int]:
+    return hi.data_ptr(), hi.numel()
+
+
+def _take(name: str, hi: torch.Tensor) -> bool:
+    """Whether ``hi``'s planes were in the state ``name``; they no longer are."""
+    key = _key(hi)
+    if key in _marked(name):
+        _marked(name).discard(key)
+        return True
+    return False
 
 
 def _claim(hi: torch.Tensor) -> bool:
     """Whether ``hi`` is the high plane of :func:`unwritten_planes` no add has written yet;
     from now on it counts as written."""
-    key = (hi.data_ptr(), hi.numel())
-    if key in _unwritten():
-        _unwritten().discard(key)
+    return _take("unwritten", hi)
+
+
+@contextlib.contextmanager
+def last_add(hi: torch.Tensor) -> Iterator[None]:
+    """Run the tile loop's last tile: its blocked add into these planes (where it has an
+    ``add_and_round``) also rounds the sum into the weight dtype over ``hi``, which saves
+    :func:`tile_pass._tile_kernel.finish_split` a pass over both planes (see
+    :func:`rounded_by_last_add`). The same numbers: the split is lossless."""
+    _marked("last").add(_key(hi))
+    try:
+        yield
+    finally:
+        _marked("last").discard(_key(hi))
+
+
+def _claim_rounding(hi: torch.Tensor) -> bool:
+    if _take("last", hi):
+        _marked("rounded").add(_key(hi))
         return True
     return False
+
+
+def rounded_by_last_add(hi: torch.Tensor) -> bool:
+    """Whether the add inside :func:`last_add` rounded these planes (``hi`` holds the result)."""
+    return _take("rounded", hi)
 
 
 def unwritten_planes(shape, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,7 +355,8 @@ def unwritten_planes(shape, device) -> tuple[torch.Tensor, torch.Tensor]:
     store."""
     hi = _tile_buffers.empty(shape, torch.int16, device)
     lo = _tile_buffers.empty(shape, torch.int16, device)
-    _unwritten().add((hi.data_ptr(), hi.numel()))
+    _marked("rounded").discard(_key(hi))  # left by a loop that raised before its finish
+    _unwritten().add(_key(hi))
     return hi, lo
 
 

@@ -20,6 +20,7 @@ The count of valid tokens is a tensor, so nothing in here synchronises with the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -232,9 +233,10 @@ def _run_tile_loop(
             )  # fmt: skip
             y_t = torch.cat([y_t, padding])
             c_t = torch.cat([c_t, c_t.new_zeros(size - count)])
-        losses, grad_h_t, logits_t, grad_w_t = kernel(
-            h_t, weight, bias, y_t, extras, c_t, weight_acc, bias_acc
-        )
+        with _last_add_if(schedule == "split" and stop == num_tokens, weight_acc):
+            losses, grad_h_t, logits_t, grad_w_t = kernel(
+                h_t, weight, bias, y_t, extras, c_t, weight_acc, bias_acc
+            )
         if grad_w_t is not None:
             weight_acc = grad_w_t
         if logits_t is not None:
@@ -251,6 +253,11 @@ def _run_tile_loop(
     if schedule == "split":  # rounded once into the weight dtype, over the high plane
         weight_acc = finish_split(*_weight_grad.settle(*weight_acc), weight.dtype, compile_tiles)
     return total, grad_hidden, weight_acc, bias_acc
+
+
+def _last_add_if(last: bool, weight_acc):
+    """Inside the last tile of a split sum, its add rounds the sum (:func:`_weight_grad.last_add`)."""
+    return _weight_grad.last_add(weight_acc[0]) if last else contextlib.nullcontext()
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:

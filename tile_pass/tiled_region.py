@@ -40,7 +40,14 @@ from tile_pass._tile_kernel import (
     traced_once,
 )
 from tile_pass._tiling import effective_tile
-from tile_pass.tiled_loss import _acc_dtype, _fake_grads, _grads_or_empty, _refuse_double_backward, _scaled
+from tile_pass.tiled_loss import (
+    _acc_dtype,
+    _fake_grads,
+    _grads_or_empty,
+    _last_add_if,
+    _refuse_double_backward,
+    _scaled,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +230,8 @@ def _run_tiles(
         args += [_tile_of(tangents[i], start, stop, size, zeros=True) for i in key.tangents]
         args += [*weight_acc] if split else [weight_acc] if weight_acc is not None else []
         args += [bias_acc] if bias_acc is not None else []
-        result = list(kernel(*args))
+        with _last_add_if(split and stop == num_tokens, weight_acc):
+            result = list(kernel(*args))
         if outputs is not None:
             for out, value in zip(outputs, result, strict=False):
                 out[start:stop] = value[:rows]
