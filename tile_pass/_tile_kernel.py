@@ -36,7 +36,7 @@ from torch.fx.passes.split_module import split_module
 
 from tile_pass import _settings, _split_sum_cpu, _tile_buffers, _weight_grad
 from tile_pass._logging import log
-from tile_pass._simplify import simplify
+from tile_pass._simplify import simplify, split_label_column
 
 aten = torch.ops.aten
 
@@ -514,12 +514,29 @@ def _compile_middle(split: torch.fx.GraphModule, key, logits_name: str, block=No
         tokens = _token_rows(middle, block_middle) if block_overwritten == overwritten else None
         if tokens is not None:
             middle, blocked = block_middle, tokens
+    label_column = overwritten is not None and split_label_column(middle, overwritten[0])
     with torch.no_grad():
         compiled = compile_fx(middle, _example_inputs(middle, key.device))
+    if label_column:
+        compiled = _WithLabelColumn(compiled, overwritten[0])
     if blocked is None:
         split.submod_1 = _Compiled(compiled, overwritten)
     else:
         split.submod_1 = _RowBlocked(compiled, overwritten, *blocked)
+
+
+class _WithLabelColumn:
+    """A compiled middle that stored the logits gradient without its label column, and
+    returned the column last (:func:`tile_pass._simplify.split_label_column`): the column is
+    stored into the logits input here, one element per row, and the other outputs returned."""
+
+    def __init__(self, fn, logits_index: int):
+        self.fn, self.logits_index = fn, logits_index
+
+    def __call__(self, *args):
+        *outputs, label, value = self.fn(*args)
+        args[self.logits_index].scatter_(1, label, value)
+        return tuple(outputs)
 
 
 def _results(gm: torch.fx.GraphModule) -> tuple[list, bool]:
