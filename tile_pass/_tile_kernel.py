@@ -535,7 +535,10 @@ class _WithLabelColumn:
 
     def __call__(self, *args):
         *outputs, label, value = self.fn(*args)
-        args[self.logits_index].scatter_(1, label, value)
+        logits = args[self.logits_index]
+        # an indexed store (``scatter_`` on the CPU would widen a half-precision tile to float32)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        logits.index_put_((rows, label.view(-1)), value.view(-1))
         return tuple(outputs)
 
 
