@@ -7,7 +7,7 @@ import torch
 from conftest import DEVICES
 
 from tile_pass import _tile_kernel, _tiling
-from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
+from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, padded_rows, tile_bytes_per_token
 
 
 def test_byte_model_counts_the_documented_buffers():
@@ -81,3 +81,17 @@ def test_gpu_budget_is_read_once_when_dynamo_traces_the_functional_api(fake_gpu)
     torch._dynamo.reset()
     traced = torch.compile(lambda x: x * _tiling.default_tile_bytes("cuda"), backend="eager", fullgraph=True)
     assert traced(torch.ones(())).item() == (8 << 30) // 16
+
+
+def test_short_tiles_pad_to_few_sizes_and_little_padding():
+    """Short tiles pad to powers of two up to 128 rows, then to four sizes an octave: at most
+    a fifth of padding, every size a multiple of 32 rows, and few sizes whatever the lengths."""
+    assert [padded_rows(n) for n in (1, 16, 17, 100, 128, 129, 219, 256, 257, 878, 1024, 1500)] == [
+        16, 16, 32, 128, 128, 160, 224, 256, 320, 896, 1024, 1536,
+    ]  # fmt: skip
+    sizes = {padded_rows(n) for n in range(1, 4097)}
+    assert len(sizes) == 4 + 4 * 5  # 16..128, then 4 an octave up to 4096
+    for n in range(128, 4097):
+        size = padded_rows(n)
+        assert n <= size < n * 1.25 and size % 32 == 0
+    assert effective_tile(219, 512) == 224 and effective_tile(878, 1024) == 896

@@ -736,7 +736,8 @@ class _BoundedCache:
 
 
 #: Traced tile functions kept at once. A tile function is specialised to one tile size (a
-#: bounded set of powers of two per region), dtype and region; 128 covers dozens of regions.
+#: bounded set of sizes per region, see _tiling.padded_rows), dtype and region; 128 covers
+#: dozens of regions.
 TILE_KERNEL_CACHE_SIZE = 128
 #: :func:`_compiled_add` by layout; only the (single) tracing thread touches it.
 _compiled_adds = _BoundedCache(64)

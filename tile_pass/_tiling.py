@@ -135,8 +135,8 @@ def effective_tile(num_tokens: int, tile_tokens: int) -> int:
 
     ``tile_tokens > 0`` is a fixed tile; ``tile_tokens < 0`` (see :func:`auto_tile`) is
     automatic with ``-tile_tokens`` as the largest tile. Batches smaller than one tile run
-    in a single tile padded to the next power of two (at least 16), so small batches
-    neither pad to a huge tile nor trace a new tile function for every distinct length.
+    in a single tile padded by :func:`padded_rows`, so small batches neither pad to a huge
+    tile nor trace a new tile function for every distinct length.
     """
     if tile_tokens < 0:
         per_tile = num_tokens // MIN_TILES
@@ -146,7 +146,27 @@ def effective_tile(num_tokens: int, tile_tokens: int) -> int:
         tile_tokens = min(-tile_tokens, power)
     if num_tokens >= tile_tokens:
         return tile_tokens
-    padded = _MIN_TILE
-    while padded < num_tokens:
-        padded *= 2
-    return min(padded, tile_tokens)
+    return min(padded_rows(num_tokens), tile_tokens)
+
+
+#: from this many rows a short tile pads to a quarter-octave size, below it to a power of two
+_QUARTER_OCTAVES_FROM = 128
+
+
+def padded_rows(rows: int) -> int:
+    """The rows a short tile (or a batch run as one tile) is padded to: the next of 16, 32,
+    64, 128, 160, 192, 224, 256, 320, ... (powers of two, then four sizes an octave).
+
+    Every size is a new tile function to trace, so the sizes must be few whatever the batch
+    lengths; but a padding row costs as much as a real one, and a power of two wastes up to
+    half the work (a batch of 878 labelled tokens ran as 1024). Four sizes an octave waste
+    at most a fifth, and every size from 128 is a multiple of 32 (whole row blocks of the
+    middle, :func:`tile_pass._tile_kernel._middle_block_rows`).
+    """
+    size = _MIN_TILE
+    while size < rows and size < _QUARTER_OCTAVES_FROM:
+        size *= 2
+    if size >= rows:
+        return size
+    step = (1 << (rows.bit_length() - 1)) // 4
+    return -(-rows // step) * step

@@ -93,13 +93,14 @@ def plan(
     in-place sum, which is the gradient itself.
     With automatic tiles (``largest_tile`` given) a half-precision batch also runs as one tile
     when that holds fewer bytes than the split sum's low plane plus the smaller tiles:
-    ``P * per_token < 2 * V * H + tile * per_token`` (``P``: the batch padded to a power of
-    two). That is the small batches, where the logits are small next to the head; the budget
-    bounds the tiles of the split schedule, and this one tile holds less than they do with
-    the plane they need, so it may exceed the budget. Under the split schedule the automatic
-    tile is no smaller than it need be: each tile reads and writes both planes once, so a
-    tile of a quarter of a small batch grows (by powers of two, to at least two tiles, within
-    the budget) until it holds half the low plane, where the planes still dominate the bytes.
+    ``P * per_token < 2 * V * H + tile * per_token`` (``P``: the batch padded by
+    :func:`tile_pass._tiling.padded_rows`). That is the small batches, where the logits are
+    small next to the head; the budget bounds the tiles of the split schedule, and this one
+    tile holds less than they do with the plane they need, so it may exceed the budget. Under
+    the split schedule the automatic tile is no smaller than it need be: each tile reads and
+    writes both planes once, so a tile of a quarter of a small batch grows (by powers of two,
+    to at least two tiles, within the budget) until it holds half the low plane, where the
+    planes still dominate the bytes.
 
     Then, given the batch's token count (``batch_tokens``, labelled or not), the tile shrinks
     (in steps of 64 tokens, to no fewer than 256) until the step holds at most half of what the
@@ -113,9 +114,9 @@ def plan(
         return tile, "direct"
     if largest_tile is None:
         return tile, schedule
-    padded = 16
-    while padded < num_tokens:
-        padded *= 2
+    from tile_pass._tiling import padded_rows
+
+    padded = padded_rows(num_tokens)
     low_plane = 2 * weight_shape[0] * weight_shape[1]
     if padded * tile_bytes_per_token < low_plane + tile * tile_bytes_per_token:
         return padded, "direct"

@@ -220,8 +220,8 @@ def _run_tile_loop(
     for start in range(0, num_tokens, tile):
         stop = min(start + tile, num_tokens)
         count = stop - start
-        # a short last tile runs a kernel of the next power of two above it (a bounded set
-        # of sizes), padded with ignored tokens of zero weight, rather than a full padded tile
+        # a short last tile runs the next kernel size above it (_tiling.padded_rows, a bounded
+        # set of sizes), padded with ignored tokens of zero weight, rather than a full padded tile
         size = tile if count == tile else effective_tile(count, tile)
         kernel = full_tile if size == tile else tile_kernel(dataclasses.replace(key, tile=size))
         h_t = hidden[start:stop] if rows is None else hidden.index_select(0, rows[start:stop])
