@@ -336,6 +336,8 @@ def test_last_add_rounds_as_add_then_finish(dtype, rounded):
 
     with _weight_grad.last_add(hi):
         _weight_grad.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
+    with pytest.raises(RuntimeError, match="after its last add rounded it"):
+        _weight_grad.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
     got = _tile_kernel.finish_split(hi, lo, rounded, compiled=True)
     assert got.data_ptr() == hi.data_ptr() and got.dtype == rounded
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))

@@ -267,6 +267,10 @@ def split_accumulate_mm_(
     block)``, where given, writes the first contribution into planes no add has written yet
     (see :func:`unwritten_planes`), which are otherwise zeroed first; ``add_and_round``, where
     given, is the add used inside :func:`last_add`, which also rounds the sum over ``hi``."""
+    if _key(hi) in _marked("rounded"):  # an add after the last: the planes hold the result now
+        raise RuntimeError(
+            "tile_pass: a split weight-gradient sum was added into after its last add rounded it"
+        )
     add = add or split_add_
     if store is not None and _claim(hi):
         add = store
