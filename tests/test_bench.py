@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -99,6 +101,18 @@ def test_failed_child_becomes_an_error_row():
     row = bench.measure_fresh(bench.BenchConfig(impl="no_such_impl", tokens=16, hidden=4, vocab=8))
     assert "unknown implementation" in row["error"]
     assert "ERROR" in bench.format_table([row])
+
+
+def test_machine_info_names_the_cpus_gemm_instruction_sets():
+    """Same model name, different bf16 GEMMs: the sweeps record the family/model and the flags."""
+    info = bench.machine_info()
+    assert info["cpu"] and info["cores"] >= 1 and info["torch"] == torch.__version__
+    if shutil.which("lscpu") and "Flags" in subprocess.run(["lscpu"], capture_output=True, text=True).stdout:
+        assert "/" in info["cpu_family_model"]
+        assert set(info["gemm_isa"]) <= set(bench._GEMM_FLAGS)
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next(line for line in cpuinfo if line.startswith("flags")).split()
+        assert info["gemm_isa"] == [flag for flag in bench._GEMM_FLAGS if flag in flags]
 
 
 def test_dynamic_lengths_avoid_the_hidden_and_vocab_sizes():

@@ -646,22 +646,32 @@ def format_dynamic(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+#: ``lscpu`` flags that decide which GEMM kernels run (bf16 on AVX-512 BF16 or AMX): two CPUs of
+#: one model name ("AMD EPYC") can differ by 1.5x in a bf16 GEMM, so the sweeps record them
+_GEMM_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on."""
-    model = platform.processor() or platform.machine()
+    facts: dict[str, str] = {}
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        model = next(
-            (ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), model
-        )
+        for line in lscpu.splitlines():
+            name, _, value = line.partition(":")
+            facts.setdefault(name.strip(), value.strip())
     except (OSError, subprocess.SubprocessError):
         pass
     info = {
-        "cpu": model,
+        "cpu": facts.get("Model name") or platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+    if "CPU family" in facts:
+        info["cpu_family_model"] = f"{facts['CPU family']}/{facts.get('Model', '?')}"
+    if "Flags" in facts:
+        flags = set(facts["Flags"].split())
+        info["gemm_isa"] = [flag for flag in _GEMM_FLAGS if flag in flags]
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
