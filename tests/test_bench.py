@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import statistics
 import subprocess
 
 import pytest
@@ -34,6 +35,8 @@ def test_one_row_per_implementation_plus_the_gemm_floor(rows):
         assert not missing, (row["impl"], missing)
         assert row["recompiles"] == 0 and row["steady_new_graphs"] == 0
         assert row["peak_mib"] >= 0
+        assert len(row["steps_s"]) == 1 and row["steps_s"] == sorted(row["steps_s"])
+        assert row["median_s"] == pytest.approx(statistics.median(row["steps_s"]), abs=1e-4)
 
 
 def test_gemm_floor_sums_the_fastest_library_per_gemm(rows):

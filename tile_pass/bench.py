@@ -360,6 +360,8 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
     out.update(
         loss=float(loss.detach()),
         median_s=median,
+        # every timed step, sorted: the spread behind the median (this VM's steps vary by 10-20%)
+        steps_s=[round(t, 4) for t in times],
         first_call_s=first,
         # the first call and the memory step both run under the pinned allocator (every
         # allocation freshly mapped), so their difference is the compile, not page faults
