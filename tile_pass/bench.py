@@ -648,8 +648,9 @@ def format_dynamic(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-#: ``lscpu`` flags that decide which GEMM kernels run (bf16 on AVX-512 BF16 or AMX): two CPUs of
-#: one model name ("AMD EPYC") can differ by 1.5x in a bf16 GEMM, so the sweeps record them
+#: ``lscpu`` flags that decide which GEMM kernels run (bf16 on AVX-512 BF16 or on AMX tiles): the
+#: bf16 GEMM floor of the Xeon (AMX) and the AMD EPYC this project ran on differ by 1.45x, and
+#: lscpu names every EPYC generation "AMD EPYC", so the rows record the flags and family/model
 _GEMM_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
