@@ -4,7 +4,8 @@
 
 One line per (vocabulary, form, dtype, tokens): the GEMM floor, both step times and their ratio, both
 peaks (pinned allocator, "live bytes", and glibc's own thresholds) and their ratios, and the
-tile plan tile_pass ran. Every ratio is between rows of the same run (same file).
+tile plan tile_pass ran. Every ratio is between rows of the same run (same file); a case that
+several files hold is taken from the last of them.
 """
 
 from __future__ import annotations
@@ -41,9 +42,7 @@ def table(paths: list[str]) -> str:
     ]
     worst = 0.0
     by_case, floors = _rows(paths)
-    for case, impls in sorted(
-        by_case.items(), key=lambda item: (item[0][0], item[0][1], item[0][4], item[0][2])
-    ):
+    for case, impls in sorted(by_case.items()):  # by V, form, dtype, N
         ind, tp = impls.get("inductor"), impls.get("tile_pass")
         if ind is None or tp is None:
             continue
