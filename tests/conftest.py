@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
 
-import tile_pass
+# the project's own tests see every internal error of the pass (it is read when tile_pass is imported)
+os.environ.setdefault("TILE_PASS_STRICT", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import tile_pass  # noqa: E402
 
 try:  # installed: the entry point names the backend; from a source tree (offline GPU machines) it does not
     torch._dynamo.lookup_backend("tile_pass")

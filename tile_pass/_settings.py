@@ -24,6 +24,10 @@ _WEIGHT_GRAD_SUMS = ("auto", "split", "float32")
 #: pages; ``on`` (the default) asks Linux for transparent huge pages on them (see _tile_buffers).
 HUGE_PAGES_ENV = "TILE_PASS_HUGE_PAGES"
 _HUGE_PAGES = ("on", "off")
+#: ``TILE_PASS_STRICT=1`` makes an internal error of the pass raise (``tile_pass.backend(strict=True)``
+#: per backend); by default the graph is left as Dynamo gave it and the error is logged and reported.
+STRICT_ENV = "TILE_PASS_STRICT"
+_STRICT = {"0": False, "off": False, "false": False, "1": True, "on": True, "true": True}
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class Settings:
     cpu_gemm: str  # "onednn" or "aten"
     weight_grad_sum: str = "auto"  # "auto", "split" or "float32"
     huge_pages: bool = True
+    strict: bool = False
 
 
 def _default_cpu_gemm() -> str:
@@ -56,7 +61,15 @@ def _read() -> Settings:
             f"{HUGE_PAGES_ENV}={huge_pages!r}: expected 'on' (the default) or 'off'; "
             "unset it or set it to one of those"
         )
-    return Settings(cpu_gemm=cpu_gemm, weight_grad_sum=weight_grad_sum, huge_pages=huge_pages == "on")
+    strict = os.environ.get(STRICT_ENV, "").strip().lower() or "0"
+    if strict not in _STRICT:
+        raise ValueError(f"{STRICT_ENV}={strict!r}: expected 1 or 0; unset it or set it to one of those")
+    return Settings(
+        cpu_gemm=cpu_gemm,
+        weight_grad_sum=weight_grad_sum,
+        huge_pages=huge_pages == "on",
+        strict=_STRICT[strict],
+    )
 
 
 _current = _read()

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 import torch.fx
 
-from tile_pass import _dump
+from tile_pass import _dump, _settings
+from tile_pass._higher_order import guard_outputs, outputs_guarded, region_outputs
 from tile_pass._logging import log
 from tile_pass._returned_logits import rebuild_outputs
-from tile_pass.matching import rewrite_graph
+from tile_pass.matching import internal_error, is_region_node, rewrite_graph
 from tile_pass.report import GraphReport, Report
 from tile_pass.validation import validating_call
 
@@ -66,6 +67,7 @@ class Backend:
         mode: str | None = None,
         options: dict[str, Any] | None = None,
         keep_reports: int = 64,
+        strict: bool | None = None,
     ):
         if tile_tokens is not None and tile_tokens < 1:
             raise ValueError(f"tile_tokens must be a positive integer, got {tile_tokens}")
@@ -82,6 +84,8 @@ class Backend:
         self.compile_tiles = (inner not in ("eager", "aot_eager")) if compile_tiles is None else compile_tiles
         self.mode = mode
         self.options = dict(options) if options else None
+        # an internal error of the pass raises instead of leaving the graph untouched
+        self.strict = _settings.current().strict if strict is None else bool(strict)
         self._inner = _resolve_inner(inner, mode, self.options)
         # explain's recorder sizes tiles as the explained backend does but runs them eagerly
         self._run_tiles_compiled = self.compile_tiles
@@ -119,6 +123,7 @@ class Backend:
             drop_logits=self.drop_logits,
             compile_tiles=self.compile_tiles,
             run_compiled_tiles=self._run_tiles_compiled,
+            strict=self.strict,
         )
         report = result.report
         self._graphs_seen += 1
@@ -130,9 +135,29 @@ class Backend:
         if report.rewrites:
             log.debug("rewritten graph %d:\n%s", report.index, gm.code)
         _dump.emit(gm, before, report, dump_dir)
-        compiled = inner_compiler(gm, example_inputs)
+        try:
+            with outputs_guarded():
+                compiled = inner_compiler(gm, example_inputs)
+        except Exception as error:
+            if self.strict or not report.rewrites:
+                raise
+            # the rewritten graph does not compile: the pass must not be why the run dies
+            lines = "; ".join(f"{r.matmul_source}; {r.loss_source}" for r in report.rewrites)
+            log.warning("tile_pass: the rewritten graph %d failed to compile; compiling it as Dynamo gave it",
+                        report.index, exc_info=True)  # fmt: skip
+            gm.graph = result.original_graph
+            gm.recompile()
+            report.rewrites.clear()
+            report.skipped.append(internal_error(report.index, lines, error))
+            return inner_compiler(gm, example_inputs)
+        # a second derivative through a region raises where it is requested (see _higher_order)
+        first_order = region_outputs(gm, is_region_node)
         if result.returned_logits:
+            rebuilt = {record.output_index for record in result.returned_logits}
             compiled = _with_rebuilt_outputs(compiled, result.num_outputs, result.returned_logits)
+            first_order = [i for i in first_order if i < result.num_outputs and i not in rebuilt]
+        if first_order:
+            compiled = guard_outputs(compiled, first_order)
         if original is not None and report.rewrites:
             num_outputs = result.num_outputs or len(
                 next(n for n in gm.graph.nodes if n.op == "output").args[0]
@@ -164,6 +189,7 @@ class Backend:
             dump_dir=self.dump_dir,
             compile_tiles=self.compile_tiles,
             keep_reports=1024,
+            strict=self.strict,
         )
         recorder._run_tiles_compiled = False
         breaks_before = collections.Counter(torch._dynamo.utils.counters["graph_break"])
@@ -177,7 +203,7 @@ class Backend:
         return (
             f"tile_pass.backend(inner={self.inner!r}, tile_tokens={self.tile_tokens}, "
             f"tile_bytes={self.tile_bytes}, drop_logits={self.drop_logits}, dump_dir={self.dump_dir!r}, "
-            f"validate={self.validate}, compile_tiles={self.compile_tiles}"
+            f"validate={self.validate}, compile_tiles={self.compile_tiles}, strict={self.strict}"
             + (f", mode={self.mode!r}" if self.mode else "")
             + (f", options={self.options!r}" if self.options else "")
             + ")"
@@ -203,6 +229,7 @@ def backend(
     compile_tiles: bool | None = None,
     mode: str | None = None,
     options: dict[str, Any] | None = None,
+    strict: bool | None = None,
 ) -> Backend:
     """A configured backend: ``torch.compile(model, backend=tile_pass.backend(...))``.
 
@@ -226,6 +253,11 @@ def backend(
     ``{"max_autotune": True}``); they raise for any other inner compiler. They apply to the
     rewritten graph; the tiles' elementwise middle keeps Inductor's defaults (it holds no GEMM
     for max-autotune to tune: the tiles' GEMMs are library calls).
+
+    The pass never ends a run: an internal error while matching, planning or rewriting a region
+    leaves the graph as Dynamo gave it, logs a WARNING and is reported as a skip ("internal
+    error: ..."); a rewritten graph the inner compiler rejects is compiled as Dynamo gave it.
+    ``strict=True`` (default: the ``TILE_PASS_STRICT`` environment variable) raises instead.
     """
     return Backend(
         inner,
@@ -237,6 +269,7 @@ def backend(
         compile_tiles=compile_tiles,
         mode=mode,
         options=options,
+        strict=strict,
     )
 
 

@@ -36,6 +36,7 @@ from tile_pass import _region_match, _weight_grad
 from tile_pass._fx import as_linear as _as_linear
 from tile_pass._fx import same as _same
 from tile_pass._fx import val as _val
+from tile_pass._logging import log
 from tile_pass._rules import NoMatch, bind
 from tile_pass._tile_kernel import encode_head_spec
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
@@ -111,6 +112,8 @@ class GraphRewrite:
     report: GraphReport
     num_outputs: int = 0
     returned_logits: list[ReturnedLogits] = field(default_factory=list)
+    #: the graph as Dynamo gave it, to fall back on if the rewritten one does not compile
+    original_graph: torch.fx.Graph | None = None
 
 
 def _name(node: torch.fx.Node) -> str:
@@ -705,68 +708,135 @@ def rewrite_graph(
     drop_logits: bool = False,
     compile_tiles: bool = False,
     run_compiled_tiles: bool | None = None,
+    strict: bool = False,
 ) -> GraphRewrite:
     """Rewrite every exactly-matched region of ``gm`` in place; report every candidate.
 
     ``compile_tiles`` is the plan (tile sizes follow its byte model, the report says it);
     ``run_compiled_tiles`` (default: the same) is what the rewritten graph runs, which
-    ``explain`` sets to False to stay quick without changing the plan it reports."""
+    ``explain`` sets to False to stay quick without changing the plan it reports.
+
+    The pass is only an optimisation, so it must never be why a training run dies: an error
+    other than a deliberate no-match, raised while matching, planning or rewriting a region,
+    puts back the graph as Dynamo gave it (every region of it), logs a WARNING naming the
+    error and the region's lines, and is reported as a skip ("internal error: ..."). With
+    ``strict`` (the project's own tests, ``TILE_PASS_STRICT=1``) it is raised instead."""
     run_compiled_tiles = compile_tiles if run_compiled_tiles is None else run_compiled_tiles
+    pristine = _copy_graph(gm.graph)
+    region: list[torch.fx.Node] = []  # the nodes of the region being rewritten, for the report
+    try:
+        result = _rewrite_regions(gm, graph_index, tile_tokens, tile_bytes, drop_logits, compile_tiles,
+                                  run_compiled_tiles, region)  # fmt: skip
+        result.original_graph = pristine
+        return result
+    except Exception as error:
+        if strict:
+            raise
+        gm.graph = pristine
+        gm.recompile()
+        lines = "; ".join(dict.fromkeys(source_line(node) for node in region)) or "?"
+        log.warning(
+            "tile_pass: internal error while rewriting the region at %s; graph %d is left as Dynamo gave "
+            "it and runs untiled (TILE_PASS_STRICT=1 raises instead)", lines, graph_index, exc_info=True,
+        )  # fmt: skip
+        return GraphRewrite(
+            GraphReport(index=graph_index, skipped=[internal_error(graph_index, lines, error)])
+        )
+
+
+def internal_error(graph_index: int, lines: str, error: BaseException) -> Skip:
+    """The report of a region the pass gave up on because of its own error."""
+    reason = f"internal error: {type(error).__name__}: {error} (the graph was left as Dynamo gave it)"
+    return Skip(graph_index, lines, reason)
+
+
+def is_region_node(node: torch.fx.Node) -> bool:
+    """A call the rewrite inserted, or a tile_pass op the user's code called (the functional API)."""
+    if node.op != "call_function":
+        return False
+    from tile_pass.tiled_region import run_region
+    from tile_pass.vocab_parallel import run_sharded_region, vocab_parallel_region_loss
+
+    return node.target in (tiled_region_loss, run_region, run_sharded_region, vocab_parallel_region_loss) or (
+        getattr(node.target, "namespace", None) == "tile_pass"
+    )
+
+
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """The nodes of ``graph`` in a new graph, what to put back: meta copied shallowly, and what
+    Dynamo attaches to nodes beyond it (a placeholder's ``_dynamo_source``) carried over."""
+    copy = torch.fx.Graph(tracer_cls=graph._tracer_cls)
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    value, output = copy.graph_copy(graph, copies, return_output_node=True)
+    copies[output] = copy.output(value, output.type)
+    for node, copied in copies.items():
+        copied.meta = dict(node.meta)
+        for name, attribute in vars(node).items():
+            vars(copied).setdefault(name, attribute)
+    copy._codegen = graph._codegen
+    return copy
+
+
+def _rewrite_regions(
+    gm, graph_index, tile_tokens, tile_bytes, drop_logits, compile_tiles, run_compiled_tiles, region
+) -> GraphRewrite:
     result = GraphRewrite(GraphReport(index=graph_index))
     report = result.report
     skipped_losses: dict[torch.fx.Node, Skip] = {}
     for loss in [n for n in gm.graph.nodes if _is_loss(n)]:
+        region[:] = [loss]
         try:
-            region = match_region(loss)
-            tensor_parallel = _tensor_parallel(region)
+            matched = match_region(loss)
+            tensor_parallel = _tensor_parallel(matched)
         except _NoMatch as why:
             skipped_losses[loss] = Skip(graph_index, source_line(loss), str(why))
             continue
-        vocab_size, hidden_size = _val(region.weight).shape
-        dtype = _val(region.linear).dtype
+        region[:] = [matched.linear, loss]
+        vocab_size, hidden_size = _val(matched.weight).shape
+        dtype = _val(matched.linear).dtype
         # the tile only affects speed, so a symbolic vocabulary is sized by its hint, unguarded
         tile = choose_tile_tokens(
-            optimization_hint(vocab_size, fallback=32768), dtype, region.upcast,
-            tile_tokens=tile_tokens, tile_bytes=tile_bytes, device=_val(region.linear).device,
+            optimization_hint(vocab_size, fallback=32768), dtype, matched.upcast,
+            tile_tokens=tile_tokens, tile_bytes=tile_bytes, device=_val(matched.linear).device,
             fused=compile_tiles,
         )  # fmt: skip
         if tile_tokens is None:
             tile = auto_tile(tile)
-        num_tokens = region.num_tokens
+        num_tokens = matched.num_tokens
         tokens_hint = optimization_hint(num_tokens, fallback=8192)
         tile_now = effective_tile(tokens_hint, tile)
         # the weight the op differentiates is the projection's input, in the logits' dtype
         schedule = None
-        if _val(region.weight).requires_grad:
+        if _val(matched.weight).requires_grad:
             vocab_hint = optimization_hint(vocab_size, fallback=32768)
             hidden_hint = optimization_hint(hidden_size, fallback=4096)
             tile_now, schedule = _weight_grad.plan(
                 tokens_hint, tile_now, -tile if tile < 0 else None, (vocab_hint, hidden_hint),
                 dtype, torch.promote_types(torch.float32, dtype),
-                tile_bytes_per_token(vocab_hint, dtype, region.upcast, compile_tiles), tokens_hint,
+                tile_bytes_per_token(vocab_hint, dtype, matched.upcast, compile_tiles), tokens_hint,
             )  # fmt: skip
         itemsize = torch.empty((), dtype=dtype).element_size()
         local_vocab = tensor_parallel[2] if tensor_parallel else vocab_size
-        returned_val = _val(region.returned) if region.returned is not None else None
-        handled = _rewrite(gm.graph, region, tile, drop_logits, run_compiled_tiles, result)
+        returned_val = _val(matched.returned) if matched.returned is not None else None
+        handled = _rewrite(gm.graph, matched, tile, drop_logits, run_compiled_tiles, result)
         kept = 0
         if returned_val is not None and not handled.startswith("dropped"):
             kept = returned_val.numel() * returned_val.element_size()
         report.rewrites.append(
             Rewrite(
                 graph=graph_index,
-                matmul_source=source_line(region.linear),
+                matmul_source=source_line(matched.linear),
                 loss_source=source_line(loss),
-                form=region.form + _tensor_parallel_text(tensor_parallel),
+                form=matched.form + _tensor_parallel_text(tensor_parallel),
                 num_tokens=_plain(num_tokens),
                 hidden_size=_plain(hidden_size),
                 vocab_size=_plain(vocab_size),
                 dtype=str(dtype).replace("torch.", ""),
-                reduction=region.reduction,
+                reduction=matched.reduction,
                 tile_tokens=tile_now,
                 num_tiles=_plain((num_tokens + tile_now - 1) // tile_now),
                 forward_bytes_avoided=_plain(
-                    num_tokens * local_vocab * _forward_bytes(itemsize, region.upcast) - kept
+                    num_tokens * local_vocab * _forward_bytes(itemsize, matched.upcast) - kept
                 ),
                 backward_bytes_avoided=_plain(
                     num_tokens * local_vocab * (4 + (itemsize if itemsize != 4 else 0))
@@ -778,7 +848,7 @@ def rewrite_graph(
             )
         )
     _rewrite_row_regions(gm, result, skipped_losses, tile_tokens, tile_bytes, drop_logits, compile_tiles,
-                         run_compiled_tiles)  # fmt: skip
+                         run_compiled_tiles, region)  # fmt: skip
     report.skipped[:0] = list(skipped_losses.values())
     if report.rewrites:
         gm.graph.lint()
@@ -795,6 +865,7 @@ def _rewrite_row_regions(
     drop_logits,
     compile_tiles,
     run_compiled_tiles,
+    current: list,
 ) -> None:
     """The general regions (see ``_region_match``): every projection the cross-entropy chain
     did not take whose logits reach a row-wise head with several readers. A loss skipped
@@ -805,6 +876,7 @@ def _rewrite_row_regions(
     for node in [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]:
         if node.graph is None:  # erased by an earlier rewrite
             continue
+        current[:] = [node]
         try:
             region = _region_match.match_row_region(gm.graph, node, states, drop_logits)
             if region is None:
@@ -817,6 +889,7 @@ def _rewrite_row_regions(
             )  # fmt: skip
             if tile_tokens is None:
                 tile = auto_tile(tile)
+            current[:] = [region.projection, region.sink or region.outputs[0].node]
             covered = set(region.nodes) | set(region.reduction_nodes)
             loss_line = source_line(region.sink or region.outputs[0].node)
             handled = _region_match.rewrite_row_region(

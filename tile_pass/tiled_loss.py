@@ -28,6 +28,7 @@ import json
 import torch
 
 from tile_pass import _tile_buffers, _weight_grad
+from tile_pass._higher_order import anchors, refuse_higher_order, scaled_by_upstream
 from tile_pass._logging import log
 from tile_pass._tile_kernel import (
     KernelKey,
@@ -296,31 +297,11 @@ def _check_labels(target: torch.Tensor, vocab_size: int, head: LossHead) -> None
         raise IndexError(f"Target {int(target[bad][0])} is out of bounds.")
 
 
-def _refuse_double_backward() -> None:
-    """Raise where a second derivative is asked for (the backward runs with grad mode on only
-    under ``create_graph=True``): the tiles' gradients were formed without a graph of their
-    own, so what would come back is silently zero."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "tile_pass: a second derivative through the tiled loss was requested (backward with "
-            "create_graph=True: gradgradcheck, a gradient penalty, a Hessian-vector product). The tiled "
-            "loss gives exact first derivatives only. For higher-order derivatives compute this loss "
-            "untiled: F.cross_entropy(F.linear(hidden, weight), target) in eager code, outside "
-            "tile_pass.linear_cross_entropy and outside a tile_pass-compiled function."
-        )
-
-
 def _no_grads_for(numbers) -> list | None:
     """The backward's entry for a ``float[]`` input, in the structure autograd compares it with:
     custom ops flatten a list only when every element is a tensor, so an empty list is a list
     (of no gradients) and a list of numbers is one leaf (one ``None``)."""
     return None if len(numbers) else []
-
-
-def _scaled(saved, grad_loss: torch.Tensor, need) -> list:
-    """Gradients formed in forward at unit upstream gradient, times the incoming scalar one
-    (the chain rule for a scalar loss), in their own dtypes; None where not needed."""
-    return [(g * grad_loss).to(g.dtype) if n else None for g, n in zip(saved, need, strict=True)]
 
 
 def _check_needed(ctx):
@@ -413,7 +394,8 @@ def _reduced_setup_context(ctx, inputs, output):
     ctx.need = inputs[12:15]
     ctx.num_extras, ctx.constants_grad = len(inputs[4]), _no_grads_for(inputs[6])
     ctx.mark_non_differentiable(output[4])  # returned logits: see _returned_logits
-    ctx.save_for_backward(*output[1:4])
+    anchored = anchors(*inputs[:3])
+    ctx.save_for_backward(*output[1:4], *anchored)
 
 
 def _reduced_vjp(ctx, grad_loss, _grad_h, _grad_w, _grad_b, _grad_logits):
@@ -421,8 +403,8 @@ def _reduced_vjp(ctx, grad_loss, _grad_h, _grad_w, _grad_b, _grad_logits):
     # forward at unit upstream gradient; the loss is a scalar, so the chain rule only
     # scales them by the incoming gradient.
     _check_needed(ctx)
-    _refuse_double_backward()
-    grads = _scaled(ctx.saved_tensors, grad_loss, ctx.need)
+    saved = ctx.saved_tensors
+    grads = scaled_by_upstream(saved[:3], grad_loss, ctx.need, saved[3:])
     return (*grads, None, [None] * ctx.num_extras, None, ctx.constants_grad, *[None] * 9)
 
 
@@ -506,7 +488,7 @@ def _tokens_setup_context(ctx, inputs, output):
 def _tokens_vjp(ctx, grad_tokens):
     # The per-token gradient becomes the token weights of a re-run of the tiles, whose
     # gradient is derived (see _tile_kernel): an exact vector-Jacobian product.
-    _refuse_double_backward()
+    refuse_higher_order()
     hidden, weight, bias, target, *extras = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     need = (need[0], need[1], need[2] and bias is not None)

@@ -30,6 +30,7 @@ import dataclasses
 import torch
 
 from tile_pass import _region, _tile_buffers, _weight_grad
+from tile_pass._higher_order import anchors, refuse_higher_order, scaled_by_upstream
 from tile_pass._region import RowProgram
 from tile_pass._tile_kernel import (
     differentiable,
@@ -45,8 +46,6 @@ from tile_pass.tiled_loss import (
     _fake_grads,
     _grads_or_empty,
     _last_add_if,
-    _refuse_double_backward,
-    _scaled,
 )
 
 
@@ -333,15 +332,16 @@ def _loss_setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.need = (keyword_only_inputs["need_hidden"], keyword_only_inputs["need_weight"],
                 keyword_only_inputs["need_bias"])  # fmt: skip
     ctx.counts = tuple(len(inputs[i]) for i in (3, 4, 5))
-    ctx.save_for_backward(*output[1:4])
+    ctx.save_for_backward(*output[1:4], *anchors(*inputs[:3]))
     ctx.mark_non_differentiable(*output[4:])
 
 
 def _loss_vjp(ctx, grads):
     # Glue, not a gradient formula: the gradients were derived in forward at unit upstream
     # gradient; the loss is a scalar, so the chain rule scales them by the incoming gradient.
-    _refuse_double_backward()
-    return (*_scaled(ctx.saved_tensors, grads[0], ctx.need), *([None] * count for count in ctx.counts))
+    saved = ctx.saved_tensors
+    scaled = scaled_by_upstream(saved[:3], grads[0], ctx.need, saved[3:])
+    return (*scaled, *([None] * count for count in ctx.counts))
 
 
 _row_region_loss.register_autograd(_loss_vjp, setup_context=_loss_setup_context)
@@ -423,7 +423,7 @@ def _region_setup_context(ctx, inputs, keyword_only_inputs, output):
 def _region_vjp(ctx, grads):
     # The incoming per-token gradients become the tangents of a re-run of the tiles, whose
     # gradient is derived (see _joint): an exact vector-Jacobian product.
-    _refuse_double_backward()
+    refuse_higher_order()
     hidden, weight, bias, *rest = ctx.saved_tensors
     token_inputs, row_inputs = rest[: ctx.counts[0]], rest[ctx.counts[0] :]
     need = ctx.needs_input_grad[:3]

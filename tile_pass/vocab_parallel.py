@@ -25,6 +25,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 from tile_pass import _tile_buffers
+from tile_pass._higher_order import anchors, scaled_by_upstream
 from tile_pass._tile_kernel import (
     differentiable,
     finish_tile_graph,
@@ -33,7 +34,6 @@ from tile_pass._tile_kernel import (
     traced_once,
 )
 from tile_pass._tiling import effective_tile
-from tile_pass.tiled_loss import _refuse_double_backward, _scaled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,14 +188,14 @@ def _(hidden, weight, target, *, group_name, vocab_start, vocab_size, ignore_ind
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.need = (keyword_only_inputs["need_hidden"], keyword_only_inputs["need_weight"])
-    ctx.save_for_backward(output[1], output[2])
+    ctx.save_for_backward(output[1], output[2], *anchors(*inputs[:2]))
 
 
 def _vjp(ctx, grad_loss, _grad_hidden, _grad_weight):
     # Glue, not a gradient formula: the gradients were derived in forward at unit upstream
     # gradient; the loss is a scalar, so the chain rule scales them by the incoming gradient.
-    _refuse_double_backward()
-    return (*_scaled(ctx.saved_tensors, grad_loss, ctx.need), None)
+    saved = ctx.saved_tensors
+    return (*scaled_by_upstream(saved[:2], grad_loss, ctx.need, saved[2:]), None)
 
 
 _vocab_parallel_ce.register_autograd(_vjp, setup_context=_setup_context)
