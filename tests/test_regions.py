@@ -91,8 +91,11 @@ def per_token_log_probs(h, w, y, ids, mask, adv, teacher, bias):  # RL: returned
 FORMS = [ce_z_loss, ce_accuracy, entropy_bonus, grpo_log_softmax_gather, selective_log_softmax, dpo_sigmoid,
          kl_to_teacher, kl_written_out, bias_in_place_returned, flat_tokens, per_token_log_probs]  # fmt: skip
 #: the forms whose differentiable outputs end in one scalar through linear token reductions
+# DPO's logsigmoid is not linear, but the margin it is taken of is: the op forms the margin's
+# gradient in forward and the logsigmoid scales it, by the chain rule (slices of the per-sequence
+# sums, sums[0] - sums[1] + sums[2], are linear steps)
 SCALAR_LOSS = {ce_z_loss, ce_accuracy, entropy_bonus, grpo_log_softmax_gather, selective_log_softmax,
-               kl_to_teacher, kl_written_out, bias_in_place_returned}  # fmt: skip
+               dpo_sigmoid, kl_to_teacher, kl_written_out, bias_in_place_returned}  # fmt: skip
 
 
 def _labels(kind: str, device) -> torch.Tensor:
@@ -174,7 +177,8 @@ def test_form_descriptions_name_outputs_and_ops():
     assert "hidden @ W.T -> .float() -> .reshape() -> cross_entropy -> .logsumexp() -> .pow()" in form, form
     assert "token mean_valid, differentiable" in form and "per token, differentiable" in form
     assert "ce_z_loss" in report.rewrites[0].loss_source
-    report = tile_pass.explain(dpo_sigmoid, *_trainable(_inputs("cpu")))
+    per_token = next(fn for fn in FORMS if fn not in SCALAR_LOSS)
+    report = tile_pass.explain(per_token, *_trainable(_inputs("cpu")))
     assert "re-derived in backward" in report.rewrites[0].reduction
 
 

@@ -69,3 +69,23 @@ def as_linear(node: torch.fx.Node):
             )
         return node.args[0], weight, None, node.args[1], "hidden @ W.T"
     return None
+
+
+def leading_index(node: torch.fx.Node, ndim: int) -> tuple | None:
+    """The index of ``x[index]`` made explicit, if it only selects leading (token) dims."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    index = node.args[1]
+    index = index if isinstance(index, tuple) else (index,)
+    if any(i is None or isinstance(i, (torch.fx.Node, bool)) for i in index):
+        return None  # new axes, tensor or symbolic indices: not a plain row selection
+    if index.count(Ellipsis) > 1:
+        return None
+    if Ellipsis in index:
+        at = index.index(Ellipsis)
+        explicit = index[:at] + (slice(None),) * (ndim - len(index) + 1) + index[at + 1 :]
+    else:
+        explicit = index + (slice(None),) * (ndim - len(index))
+    if len(explicit) != ndim or explicit[-1] != slice(None):
+        return None
+    return explicit

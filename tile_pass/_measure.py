@@ -91,14 +91,66 @@ def entropy_bonus(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     return F.cross_entropy(logits, labels) - 0.01 * (entropy * mask).sum() / mask.sum()
 
 
+#: TRL's sampling temperature in the ``grpo_trl`` form
+GRPO_TEMPERATURE = 0.7
+
+
+def grpo_trl(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """TRL's GRPO loss as TRL writes it, on sequences of :data:`GRPO_SEQUENCE` tokens: the logits
+    sliced to the predictions of the next token (``logits[:, :-1, :]``), divided by the sampling
+    temperature, ``log_softmax`` + ``gather`` of the completion ids (the labels shifted by one),
+    the policy-gradient term ``-exp(logp - logp.detach()) * advantage`` masked by the completion
+    mask (labelled tokens) and averaged per sequence, then over the sequences."""
+    logits = F.linear(hidden.view(-1, GRPO_SEQUENCE, hidden.shape[-1]), weight).float()
+    logits = logits[:, :-1, :]
+    logits = logits / GRPO_TEMPERATURE
+    ids = labels.view(-1, GRPO_SEQUENCE)[:, 1:]
+    mask = (ids != -100).float()
+    logp = logits.log_softmax(-1).gather(-1, ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    advantages = torch.linspace(-1.0, 1.0, ids.shape[0], device=hidden.device)
+    per_token = -torch.exp(logp - logp.detach()) * advantages.unsqueeze(1)
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+
+
+#: the distillation temperature of the ``kl_teacher`` form
+KL_TEMPERATURE = 2.0
+
+
+def kl_teacher(hidden, weight, labels, teacher_log_probs) -> torch.Tensor:
+    """Distillation: ``KL(teacher || student)`` at temperature :data:`KL_TEMPERATURE` over the
+    labelled tokens, the teacher's log-probabilities given (``[N, V]``, an input of the step, as
+    stored teacher outputs are), scaled by ``T^2``."""
+    student = F.log_softmax(F.linear(hidden, weight).float() / KL_TEMPERATURE, dim=-1)
+    kl = F.kl_div(student, teacher_log_probs, reduction="none", log_target=True).sum(-1)
+    mask = (labels != -100).float()
+    return (kl * mask).sum() / mask.sum() * KL_TEMPERATURE**2
+
+
+def _teacher_log_probs(hidden, weight, labels) -> tuple[torch.Tensor]:
+    g = torch.Generator(device=hidden.device).manual_seed(1)
+    logits = torch.randn(labels.shape[0], weight.shape[0], generator=g, device=hidden.device) * 2.0
+    return (F.log_softmax(logits / KL_TEMPERATURE, dim=-1),)
+
+
 #: the loss forms the step and the benchmark measure, by name
 LOSS_FORMS = {
     "ce": lm_head_loss,
     "ce_nocast": lm_head_loss_no_upcast,
     "ce_zloss": z_loss,
     "grpo": grpo_log_probs,
+    "grpo_trl": grpo_trl,
     "entropy": entropy_bonus,
+    "kl_teacher": kl_teacher,
 }
+#: forms that take inputs beyond (hidden, weight, labels): how to make them, deterministically
+_FORM_INPUTS = {"kl_teacher": _teacher_log_probs}
+
+
+def form_inputs(form: str, hidden, weight, labels) -> tuple[torch.Tensor, ...]:
+    """The inputs ``form`` takes after ``(hidden, weight, labels)`` (inputs of the step, as a
+    batch is: not counted in its peak memory)."""
+    make = _FORM_INPUTS.get(form)
+    return make(hidden, weight, labels) if make is not None else ()
 
 
 def _rss_kib(field: str) -> int:
@@ -183,13 +235,13 @@ def measure_steps(step, device: torch.device, repeats: int) -> StepMeasurement:
     return StepMeasurement(sorted(times), peak_above, loss, memory_step_s, peak_above_steady)
 
 
-def training_step(fn, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor):
+def training_step(fn, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, extra=()):
     """One forward+backward of ``fn`` that clears the gradients first; returns the loss."""
 
     def step():
         hidden.grad = None
         weight.grad = None
-        loss = fn(hidden, weight, labels)
+        loss = fn(hidden, weight, labels, *extra)
         loss.backward()
         return loss
 
@@ -225,7 +277,7 @@ def run_step(config: StepConfig) -> dict:
     else:
         raise ValueError(f"unknown impl {config.impl!r}")
 
-    step = training_step(fn, hidden, weight, labels)
+    step = training_step(fn, hidden, weight, labels, form_inputs(config.form, hidden, weight, labels))
 
     t0 = time.perf_counter()
     loss = step()

@@ -74,6 +74,109 @@ class Output:
     layout: str  # one of LAYOUTS
     dtype: torch.dtype
     differentiable: bool
+    #: where the value is zero whatever the logits (see :func:`zero_where`): a token there
+    #: needs no tile when every output is
+    zeros: tuple | None = None
+    #: read only by the region's scalar loss: a token whose token weight is zero needs no tile
+    only_loss: bool = False
+
+
+@dataclass(frozen=True)
+class ZeroIf:
+    """A value is zero at a token where per-token input ``token`` is ``== value`` (``kind``
+    ``"equals"``: a cross entropy's ``ignore_index``), zero (``"zero"``: a multiplying mask),
+    false (``"false"``: ``where(mask, x, 0)``) or true (``"true"``: ``masked_fill(mask, 0)``).
+    ``exact``: zero even where the logits are not finite (a product with a zero mask is not)."""
+
+    token: int
+    kind: str
+    value: object = None
+    exact: bool = True
+
+    def holds(self, token_input: torch.Tensor) -> torch.Tensor:
+        """Where it holds, one flag per token."""
+        t = token_input.reshape(token_input.shape[0], -1)[:, 0]
+        if self.kind == "equals":
+            return t == self.value
+        if self.kind == "zero":
+            return t == 0
+        return ~t.bool() if self.kind == "false" else t.bool()
+
+
+#: ops whose result is zero where their (first) operand is: ``f(0) == 0``
+_KEEP_ZEROS = {"neg", "abs", "detach", "float", "double", "half", "bfloat16", "to", "type", "reshape", "view",
+               "squeeze", "unsqueeze", "contiguous", "flatten", "sum", "gather", "relu", "tanh", "sign",
+               "square", "sqrt"}  # fmt: skip
+_PRODUCTS = {"mul", "__mul__", "__rmul__", "mul_"}
+_SUMS = {"add", "sub", "__add__", "__sub__", "__radd__", "__rsub__", "add_", "sub_", "rsub"}
+
+
+def zero_where(step: Step, zeros_of: dict[int, tuple], per_token: frozenset[int]) -> tuple | None:
+    """Where a step's value is zero whatever the logits, as an expression over :class:`ZeroIf`
+    facts (``("is", fact)``, ``("any", parts)``, ``("all", parts)``) or ``None`` (nowhere known),
+    from its operands' (``zeros_of``, by value index) and the token inputs of one value per
+    token (``per_token``: their indices)."""
+    name = step.target if isinstance(step.target, str) else getattr(step.target, "__name__", "")
+
+    def of(arg):
+        return zeros_of.get(arg.index) if isinstance(arg, Ref) and arg.kind == "value" else None
+
+    def number(arg) -> bool:
+        return isinstance(arg, (int, float)) and not isinstance(arg, bool)
+
+    def token(arg) -> bool:
+        return isinstance(arg, Ref) and arg.kind == "token" and arg.index in per_token
+
+    def either(*parts):
+        parts = tuple(p for p in parts if p is not None)
+        return None if not parts else parts[0] if len(parts) == 1 else ("any", parts)
+
+    args = step.args
+    if name in ("cross_entropy", "nll_loss"):
+        kwargs = dict(step.kwargs)
+        target = args[1] if len(args) > 1 else kwargs.get("target")
+        return (
+            ("is", ZeroIf(target.index, "equals", kwargs.get("ignore_index", -100)))
+            if token(target)
+            else None
+        )
+    if name in _PRODUCTS and len(args) == 2:
+        facts = [("is", ZeroIf(a.index, "zero", exact=False)) if token(a) else of(a) for a in args]
+        return either(*facts)
+    if name in ("truediv", "div", "__truediv__") and len(args) == 2:
+        return of(args[0]) if number(args[1]) and args[1] != 0 else None
+    if name in ("pow", "__pow__") and len(args) == 2:
+        return of(args[0]) if number(args[1]) and args[1] > 0 else None
+    if name in _SUMS and len(args) == 2:
+        a, b = of(args[0]), of(args[1])
+        return None if a is None or b is None else ("all", (a, b))
+    if name == "where" and len(args) == 3:
+        cond, x, y = args
+        if token(cond) and number(y) and y == 0:
+            return either(("is", ZeroIf(cond.index, "false")), of(x))
+        if token(cond) and number(x) and x == 0:
+            return either(("is", ZeroIf(cond.index, "true")), of(y))
+        return None
+    if name in ("masked_fill", "masked_fill_") and len(args) >= 3:
+        if token(args[1]) and number(args[2]) and args[2] == 0:
+            return either(("is", ZeroIf(args[1].index, "true")), of(args[0]))
+        return None
+    if name in _KEEP_ZEROS and args:
+        return of(args[0])
+    return None
+
+
+def zero_tokens(expression, token_inputs) -> tuple[torch.Tensor, bool]:
+    """Where ``expression`` (see :func:`zero_where`) holds, one flag per token, and whether that
+    holds even for non-finite logits."""
+    kind, parts = expression
+    if kind == "is":
+        return parts.holds(token_inputs[parts.token]), parts.exact
+    flags = [zero_tokens(part, token_inputs) for part in parts]
+    combined = flags[0][0]
+    for flag, _ in flags[1:]:
+        combined = combined | flag if kind == "any" else combined & flag
+    return combined, all(exact for _, exact in flags)
 
 
 @dataclass(frozen=True)

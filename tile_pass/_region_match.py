@@ -31,7 +31,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from tile_pass import _region, _rules
-from tile_pass._fx import as_linear, same, val
+from tile_pass._fx import as_linear, leading_index, same, val
 from tile_pass._region import Output, ReductionProgram, Ref, RowProgram, Step
 from tile_pass._rules import Classified, Layout, NoMatch, describe
 from tile_pass.report import source_line
@@ -90,6 +90,8 @@ class RowRegion:
     reduce_inputs: list[torch.fx.Node] = field(default_factory=list)
     steps_text: list[str] = field(default_factory=list)
     dropped: list[torch.fx.Node] = field(default_factory=list)  # returned rows replaced by a placeholder
+    slices: list[tuple] = field(default_factory=list)  # token selections applied to the hidden states
+    num_tokens: object = 0  # the tokens the tiles run (after the slices)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -129,6 +131,14 @@ def _numel(shape) -> object:
     for size in shape:
         total = total * size
     return total
+
+
+def _projection_like(node: torch.fx.Node) -> bool:
+    """A linear layer or matmul: where the logits' cone stops (a later layer's inputs)."""
+    try:
+        return as_linear(node) is not None
+    except NoMatch:
+        return True
 
 
 def _same_shape(a, b) -> bool:
@@ -326,6 +336,11 @@ class _Matcher:
         self.outside: dict[torch.fx.Node, str] = {}  # node that depends on the logits -> why not row-wise
         self.head_signs = False
         self.dropped: list[torch.fx.Node] = []  # returned rows not computed (drop_logits=True)
+        self.zeros: dict[int, tuple] = {}  # per value: where it is zero (_region.zero_where)
+        self.slices: list[tuple] = []  # token selections moved onto the hidden states, in order
+        self.slice_steps: list[int] = []
+        self.slice_nodes: list[torch.fx.Node] = []
+        self.pre_slice: set[torch.fx.Node] = set()  # values computed before the last of them
 
     # ---------------------------------------------------------------- operands
 
@@ -402,7 +417,39 @@ class _Matcher:
         return Step(op, target, tuple(args), tuple(kwargs), state,
                     source_line(node))  # fmt: skip
 
+    def token_slice(self, node: torch.fx.Node) -> bool:
+        """``logits[:, :-1, :]``, ``logits[..., -k:, :]``: a selection of token rows of the logits
+        before any regrouping, moved onto the hidden states (the tiles then run only those rows,
+        and every value before it is computed on them too, being row-wise). Values computed
+        before the slice may then be read only on the way to it."""
+        source = node.args[0] if node.op == "call_function" and node.target is operator.getitem else None
+        layout = self.layout_of(source)
+        if layout is None or layout.kind != "rows":
+            return False
+        if source in self.pre_slice:
+            raise NoMatch(f"{describe(node)} slices the logits' token rows a second way")
+        index = leading_index(node, len(layout.tokens) + 1)
+        if index is None:
+            raise NoMatch(f"{describe(node)} indexes the logits by something other than token rows")
+        if not _same_shape(layout.tokens, self.hidden_tokens):
+            raise NoMatch(f"{describe(node)} slices token rows that were regrouped; slice before reshaping")
+        if self.token_inputs:
+            raise NoMatch(f"{describe(node)} slices the token rows after a per-token value was combined "
+                          "with them; slice the logits first")  # fmt: skip
+        tokens = tuple(val(node).shape[:-1])
+        self.pre_slice |= set(self.values)
+        self.slices.append(index)
+        self.slice_nodes.append(node)
+        self.slice_steps.append(len(self.steps))  # where "slice tokens" reads in the report
+        self.hidden_tokens, self.num_tokens = tokens, _numel(tokens)
+        self.values[node] = (self.values[source][0], Layout("rows", tokens))
+        return True
+
     def classify(self, node: torch.fx.Node) -> list[Classified]:
+        before = [a for a in node.all_input_nodes if a in self.pre_slice]
+        if before:
+            raise NoMatch(f"{describe(node)} reads {describe(before[0])}, computed before the logits' token "
+                          "slice, so it would need the rows the slice drops")  # fmt: skip
         rule = _rules.rule_for(node)
         if rule is None:
             raise NoMatch(f"{describe(node)} has no row-wise rule")
@@ -611,10 +658,17 @@ class _Matcher:
     def walk(self) -> None:
         """Phase 2: every node that depends on the logits, in graph order."""
         self.depends = {self.projection}
+        cone = {self.projection}  # reached from the logits without another projection between
         for node in self.graph.nodes:
             if node is self.projection or not any(a in self.depends for a in node.all_input_nodes):
                 continue
             self.depends.add(node)
+            if any(a in cone for a in node.all_input_nodes) and not _projection_like(node):
+                cone.add(node)
+                try:  # a loss-like op reading the logits, however far: this projection is a head
+                    self.head_signs |= node.target in _HEAD_SIGNS
+                except TypeError:  # an unhashable target
+                    pass
             if any(a in self.depends and a not in self.values for a in node.all_input_nodes):
                 self.outside[node] = (
                     f"{describe(node)} reads a value computed from the logits outside the region"
@@ -624,11 +678,10 @@ class _Matcher:
                 self.values[node] = self.values[node.args[0]]  # ColwiseParallel's output hook
                 self.nodes.append(node)
                 continue
-            try:  # a loss-like op reading the region's values: this projection is a head
-                self.head_signs |= node.target in _HEAD_SIGNS
-            except TypeError:  # an unhashable target
-                pass
             try:
+                if self.token_slice(node):
+                    self.nodes.append(node)
+                    continue
                 classified = self.classify(node)
             except NoMatch as why:
                 self.outside[node] = str(why)
@@ -642,6 +695,8 @@ class _Matcher:
                 self.steps.append(step)
                 self.step_layouts.append(entry.layout)
                 self.values[node] = (index, entry.layout)
+                per_token = frozenset(i for i, t in enumerate(self.token_inputs) if t.part in ((), (1,)))
+                self.zeros[index] = _region.zero_where(step, self.zeros, per_token)
                 if entry.after_tiles is not None:  # its readers see the reduced value
                     self.after[node] = (entry.after_tiles, entry.layout)
                     self.values[node] = (index, Layout("reduced", entry.layout.tokens))
@@ -664,7 +719,15 @@ class _Matcher:
             if layout.kind == "tuple":
                 raise NoMatch(f"{describe(node)} is used whole; take its values and indices apart first")
             if layout.kind == "rows":
-                if self.drop_rows and all(u.op == "output" for u in users):
+                if node in self.pre_slice:  # before the token slice: only the last slice, or dropped
+                    if self.drop_rows and all(u.op == "output" for u in users) and len(self.slices) == 1:
+                        self.dropped.append(node)
+                        continue
+                    raise NoMatch(
+                        f"{describe(self.slice_nodes[0])} slices the logits' token rows while "
+                        f"{describe(users[0])} reads them whole, so they must exist whole"
+                    )
+                if self.drop_rows and all(u.op == "output" for u in users) and not self.slices:
                     self.dropped.append(node)
                     continue
                 blocking = [u for u in users if u.op != "output"]
@@ -768,7 +831,7 @@ class _Matcher:
         if any(isinstance(v, torch.fx.Node) and v in linear for v in node.kwargs.values()):
             raise NoMatch("keyword operand")
         if name in ("sum", "mean", "view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "neg",
-                    "float", "double", "to", "type"):  # fmt: skip
+                    "float", "double", "to", "type", "getitem"):  # fmt: skip
             if node.args[0] not in linear or len(dependent) != 1:
                 raise NoMatch("not linear")
             if name in ("to", "type") and any(not isinstance(a, torch.dtype) for a in node.args[1:]):
@@ -814,9 +877,16 @@ def match_row_region(
     reduction = matcher.scalar_loss(outputs)
     steps_text = [matcher.head_form if matcher.autocast_dtype is None
                   else f"autocast({str(matcher.autocast_dtype)[6:]}) {matcher.head_form}"]  # fmt: skip
-    steps_text += [s.describe() for s in matcher.steps]
+    for position, step in enumerate(matcher.steps):
+        steps_text += ["slice tokens"] * matcher.slice_steps.count(position) + [step.describe()]
+    in_loss, sink = (set(reduction[0]), reduction[2]) if reduction is not None else (set(), None)
+    def zeros(o):  # where the output is zero whatever the logits: tokens the tiles may skip
+        return matcher.zeros.get(o.value) if o.layout.kind != "rows" else None
+
     program_outputs = tuple(
-        Output(o.value, o.layout.kind, val(o.node).dtype, o.differentiable and o.layout.kind != "rows")
+        Output(o.value, o.layout.kind, val(o.node).dtype, o.differentiable and o.layout.kind != "rows",
+               zeros=zeros(o),
+               only_loss=o.node is sink or bool(in_loss) and all(u in in_loss for u in o.node.users))
         for o in outputs
     )  # fmt: skip
     reduction_program = None
@@ -860,6 +930,8 @@ def match_row_region(
         steps_text=steps_text,
     )  # fmt: skip
     region.dropped = matcher.dropped
+    region.slices = matcher.slices
+    region.num_tokens = matcher.num_tokens
     if reduction is not None:
         region.reduction_nodes, _, region.sink, region.reduce_inputs, _ = reduction
     return region
@@ -915,18 +987,22 @@ def rewrite_row_region(
     point = min(readers, key=order.__getitem__)
     inputs = [region.hidden, region.weight, region.bias, *[t.node for t in region.token_inputs],
               *[r.node for r in region.row_inputs], *region.reduce_inputs]  # fmt: skip
+    torch.fx.node.map_arg(region.slices, inputs.append)  # symbolic slice bounds
     for node in _to_hoist(graph, inputs, point, autocast_states):
         point.prepend(node)
 
     economy = region.program.reduction is not None
     with graph.inserting_before(point):
-        hidden, weight, bias = region.hidden, region.weight, region.bias
+        tokens = region.hidden  # the rows the tiles run: the hidden states after the token slices
+        for index in region.slices:
+            tokens = graph.call_function(operator.getitem, (tokens, index))
+        hidden, weight, bias = tokens, region.weight, region.bias
         if region.autocast_dtype is not None:  # what autocast does to F.linear's inputs
             hidden, weight = (graph.call_method("to", (t, region.autocast_dtype)) for t in (hidden, weight))
             if bias is not None:
                 bias = graph.call_method("to", (bias, region.autocast_dtype))
         token_nodes = [
-            graph.call_function(_per_token, (t.node, region.hidden, t.flat_tokens, len(t.part)))
+            graph.call_function(_per_token, (t.node, tokens, t.flat_tokens, len(t.part)))
             for t in region.token_inputs
         ]
         row_nodes = [
@@ -936,7 +1012,14 @@ def rewrite_row_region(
             from tile_pass.vocab_parallel import run_sharded_region as run_region
         call = graph.call_function(
             run_region,
-            (hidden, weight, bias, token_nodes, row_nodes, list(region.reduce_inputs)),
+            (
+                hidden,
+                weight,
+                bias,
+                token_nodes,
+                row_nodes,
+                [tokens if n is region.hidden else n for n in region.reduce_inputs],
+            ),  # fmt: skip
             {"program": region.program.key, "tile_tokens": tile_tokens, "compile_tiles": compile_tiles},
         )
         offset = 1 if economy else 0
@@ -945,11 +1028,9 @@ def rewrite_row_region(
             flat = graph.call_function(operator.getitem, (call, k + offset))
             if out.after_tiles is not None:
                 how, *operands = out.after_tiles
-                value = graph.call_function(
-                    _after_tiles, (flat, how, region.hidden, out.flat_tokens, *operands)
-                )
+                value = graph.call_function(_after_tiles, (flat, how, tokens, out.flat_tokens, *operands))
             else:
-                value = graph.call_function(_restore, (flat, region.hidden, out.flat_tokens))
+                value = graph.call_function(_restore, (flat, tokens, out.flat_tokens))
             restored[out.node] = value
             if economy and out.node is region.sink:
                 continue

@@ -48,6 +48,7 @@ from tile_pass._measure import (
     MiB,
     StepConfig,
     allocator_steady_state,
+    form_inputs,
     measure_steps,
     run_fresh,
     training_step,
@@ -192,7 +193,10 @@ def float64_reference(
     w64 = weight.detach().double().requires_grad_()
     if form != "ce":
         h64.requires_grad_()
-        loss = LOSS_FORMS[form](h64, w64, labels)
+        extra = [
+            t.double() if t.is_floating_point() else t for t in form_inputs(form, hidden, weight, labels)
+        ]
+        loss = LOSS_FORMS[form](h64, w64, labels, *extra)
         return (loss.detach(), *torch.autograd.grad(loss, (h64, w64)))
     count = (labels != IGNORE_INDEX).sum().double()
     rows = max(1, chunk_bytes // (8 * weight.shape[0] * 2))
@@ -294,7 +298,7 @@ def _dynamic_check(cfg: BenchConfig, fn: Callable, info: dict[str, Any]) -> dict
         hidden, weight, labels = _make_inputs(cfg, tokens=n)
         graphs, traces = _graph_count(), _tile_traces()
         t0 = time.perf_counter()
-        fn(hidden, weight, labels).backward()
+        fn(hidden, weight, labels, *form_inputs(cfg.form, hidden, weight, labels)).backward()
         _sync(device)
         per_length.append(
             {
@@ -324,7 +328,7 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
 
     hidden, weight, labels = _make_inputs(cfg)
 
-    step = training_step(fn, hidden, weight, labels)
+    step = training_step(fn, hidden, weight, labels, form_inputs(cfg.form, hidden, weight, labels))
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -381,7 +385,8 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
         grads = (hidden.grad, weight.grad)
         del loss
         ref_loss, ref_h, ref_w = float64_reference(hidden, weight, labels, form=cfg.form)
-        out["err_loss"] = abs(out["loss"] - float(ref_loss)) / abs(float(ref_loss))
+        # GRPO's loss is exactly -mean(advantages) at ratio 1 (zero here): absolute error then
+        out["err_loss"] = abs(out["loss"] - float(ref_loss)) / (abs(float(ref_loss)) or 1.0)
         out["err_dh"] = relative_error(grads[0], ref_h)
         out["err_dw"] = relative_error(grads[1], ref_w)
     return out

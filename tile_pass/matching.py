@@ -33,7 +33,9 @@ except ImportError:  # torch 2.11/2.12: the same unguarded hint, under its older
     from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
 from tile_pass import _region_match, _weight_grad
+from tile_pass._fold_loops import fold_row_loops
 from tile_pass._fx import as_linear as _as_linear
+from tile_pass._fx import leading_index as _leading_index
 from tile_pass._fx import same as _same
 from tile_pass._fx import val as _val
 from tile_pass._logging import log
@@ -192,26 +194,6 @@ def _check_options(options: dict) -> None:
         raise _NoMatch(f"the loss has reduction={options['reduction']!r}")
     if not 0.0 <= options["label_smoothing"] <= 1.0:
         raise _NoMatch("label_smoothing is outside [0, 1]; eager raises for it, so it is left to eager")
-
-
-def _leading_index(node: torch.fx.Node, ndim: int) -> tuple | None:
-    """The index of ``x[index]`` made explicit, if it only selects leading (token) dims."""
-    if node.op != "call_function" or node.target is not operator.getitem:
-        return None
-    index = node.args[1]
-    index = index if isinstance(index, tuple) else (index,)
-    if any(i is None or isinstance(i, (torch.fx.Node, bool)) for i in index):
-        return None  # new axes, tensor or symbolic indices: not a plain row selection
-    if index.count(Ellipsis) > 1:
-        return None
-    if Ellipsis in index:
-        at = index.index(Ellipsis)
-        explicit = index[:at] + (slice(None),) * (ndim - len(index) + 1) + index[at + 1 :]
-    else:
-        explicit = index + (slice(None),) * (ndim - len(index))
-    if len(explicit) != ndim or explicit[-1] != slice(None):
-        return None
-    return explicit
 
 
 def _check_cast(node: torch.fx.Node) -> None:
@@ -725,6 +707,16 @@ def rewrite_graph(
     pristine = _copy_graph(gm.graph)
     region: list[torch.fx.Node] = []  # the nodes of the region being rewritten, for the report
     try:
+        # per-row loops (TRL's selective_log_softmax) folded into one row-wise op, kept only if
+        # that lets the pass tile a region; else the regions are found again in Dynamo's graph
+        if fold_row_loops(gm):
+            result = _rewrite_regions(gm, graph_index, tile_tokens, tile_bytes, drop_logits, compile_tiles,
+                                      run_compiled_tiles, region)  # fmt: skip
+            if result.report.rewrites:
+                result.original_graph = pristine
+                return result
+            gm.graph = _copy_graph(pristine)
+            gm.recompile()
         result = _rewrite_regions(gm, graph_index, tile_tokens, tile_bytes, drop_logits, compile_tiles,
                                   run_compiled_tiles, region)  # fmt: skip
         result.original_graph = pristine
@@ -909,7 +901,7 @@ def _rewrite_row_regions(
             continue
         for loss in [loss for loss in skipped_losses if loss in covered]:
             del skipped_losses[loss]
-        num_tokens = _val(region.hidden).shape[:-1].numel()
+        num_tokens = region.num_tokens
         tokens_hint = optimization_hint(num_tokens, fallback=8192)
         tile_now = effective_tile(tokens_hint, tile)
         itemsize = torch.empty((), dtype=dtype).element_size()

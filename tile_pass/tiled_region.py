@@ -29,7 +29,7 @@ import dataclasses
 
 import torch
 
-from tile_pass import _region, _tile_buffers, _weight_grad
+from tile_pass import _region, _tile_buffers, _weight_grad, tiled_loss
 from tile_pass._higher_order import anchors, refuse_higher_order, scaled_by_upstream
 from tile_pass._region import RowProgram
 from tile_pass._tile_kernel import (
@@ -40,7 +40,7 @@ from tile_pass._tile_kernel import (
     trace_fake,
     traced_once,
 )
-from tile_pass._tiling import effective_tile
+from tile_pass._tiling import effective_tile, tile_bytes_per_token
 from tile_pass.tiled_loss import (
     _acc_dtype,
     _fake_grads,
@@ -85,11 +85,10 @@ def _kernel_inputs(key: ProgramKernelKey, program: RowProgram) -> list[tuple[tup
     for index in key.tangents:
         out = program.outputs[index]
         inputs.append(((T, *_region.row_part(out.layout, V)), out.dtype))
-    if key.need_weight:
-        if key.weight_grad == "split":
-            inputs += [((V, H), torch.int16), ((V, H), torch.int16)]
-        else:
-            inputs.append(((V, H), key.acc_dtype))
+    if key.need_weight and key.weight_grad == "split":
+        inputs += [((V, H), torch.int16), ((V, H), torch.int16)]
+    elif key.need_weight and key.weight_grad != "direct":
+        inputs.append(((V, H), key.acc_dtype))
     if key.need_bias:
         inputs.append(((V,), key.acc_dtype))
     return inputs
@@ -107,7 +106,9 @@ def _joint(key: ProgramKernelKey, program: RowProgram):
         row_inputs = [args.pop(0) for _ in range(num_row)]
         tangents = [args.pop(0) for _ in key.tangents]
         split = key.need_weight and key.weight_grad == "split"
-        weight_acc = (args.pop(0), args.pop(0)) if split else args.pop(0) if key.need_weight else None
+        direct = key.need_weight and key.weight_grad == "direct"  # the only tile: returned as it is
+        summed = key.need_weight and not split and not direct
+        weight_acc = (args.pop(0), args.pop(0)) if split else args.pop(0) if summed else None
         bias_acc = args.pop(0) if key.need_bias else None
         with torch.enable_grad():
             (hidden, weight, bias), wanted = differentiable(
@@ -121,14 +122,16 @@ def _joint(key: ProgramKernelKey, program: RowProgram):
                 )
         grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wanted, strict=True)]
         grad_hidden = grads.pop(0) if key.need_hidden else None
+        grad_weight = grads.pop(0) if key.need_weight else None
         if split:
-            torch.ops.tile_pass.split_accumulate_(*weight_acc, grads.pop(0))
-        elif key.need_weight:
-            weight_acc.add_(grads.pop(0))
+            torch.ops.tile_pass.split_accumulate_(*weight_acc, grad_weight)
+        elif summed:
+            weight_acc.add_(grad_weight)
         if key.need_bias:
             bias_acc.add_(grads.pop(0))
         result = [out.detach() for out in outputs]
-        return (*result, grad_hidden) if grad_hidden is not None else tuple(result)
+        result += [grad_hidden] if grad_hidden is not None else []
+        return (*result, grad_weight) if direct else tuple(result)
 
     return joint
 
@@ -163,6 +166,61 @@ def _check_indices(program: RowProgram, token_inputs: list[torch.Tensor]) -> Non
             raise error(message.format(int(index[bad][0])))
 
 
+def _skipped_rows(program: RowProgram, token_inputs, hidden, weights: dict | None, values: bool):
+    """The tokens the tiles must run, or ``None`` for all of them: on the CPU (finding them on an
+    accelerator would synchronise with the host), a token is left out where every output the
+    caller needs is zero whatever its logits (``Output.zeros``: an ignored label, a zero mask)
+    or reaches the loss with a zero token weight (``weights``, by output; only outputs read by
+    the loss alone, or any output when ``values`` are not needed). Its outputs are then zero
+    and it adds nothing to any gradient. A product with a zero mask or a zero weight is zero
+    only where the logits are finite, so those skips also need finite hidden states there."""
+    if hidden.device.type != "cpu" or hidden.shape[0] == 0:
+        return None
+    skip, exact = None, True
+    for index, out in enumerate(program.outputs):
+        if out.layout == "rows" or (not values and (weights is None or index not in weights)):
+            if out.layout == "rows" and values:
+                return None
+            continue
+        here = None
+        if out.zeros is not None:
+            here, exact_here = _region.zero_tokens(out.zeros, token_inputs)
+            exact = exact and exact_here
+        if weights is not None and index in weights and (out.only_loss or not values):
+            flag = (weights[index].reshape(hidden.shape[0], -1) == 0).all(-1)
+            here, exact = (flag if here is None else here | flag), False
+        if here is None:
+            return None
+        skip = here if skip is None else skip & here
+    if skip is None or not skip.any():
+        return None
+    if not exact and not torch.isfinite(hidden[skip]).all():
+        return None  # eager's loss is not finite there, so the tokens stay in
+    return (~skip).nonzero().squeeze(1)
+
+
+def _plan(weight, tile_tokens: int, rows: int, batch: int, acc, compiled: bool, need_weight):
+    """The tile and the weight-gradient schedule (tile_pass._weight_grad.plan) for ``rows`` of a
+    batch of ``batch`` tokens: the one-tile ``direct`` schedule, the split sum, tile growth and
+    shrink against the byte budget, as for the cross entropy."""
+    tile = effective_tile(rows, tile_tokens)
+    if not need_weight:
+        return tile, "float32"
+    vocab, hidden = weight.shape
+    per_token = tile_bytes_per_token(vocab, weight.dtype, weight.dtype != torch.float32, compiled)
+    tile, schedule = _weight_grad.plan(
+        rows,
+        tile,
+        -tile_tokens if tile_tokens < 0 else None,
+        (vocab, hidden),
+        weight.dtype,
+        acc,
+        per_token,
+        batch,
+    )
+    return tile, schedule
+
+
 @_tile_buffers.shared()
 def _run_tiles(
     program: RowProgram,
@@ -176,17 +234,22 @@ def _run_tiles(
     compile_tiles: bool,
     need: tuple[bool, bool, bool],
     keep_outputs: bool = True,
+    rows: torch.Tensor | None = None,
 ):
     """Every tile once; returns (outputs, grad hidden, grad weight, grad bias): each output
-    flat over the tokens, the gradients of ``sum(tangent * output)`` (or ``None``)."""
+    flat over the tokens, the gradients of ``sum(tangent * output)`` (or ``None``). With
+    ``rows`` (see :func:`_skipped_rows`) only those tokens run, each tile gathering its rows;
+    the others' outputs and hidden gradient are zero."""
     need_hidden, need_weight, need_bias = need
     # the traced tiles assume contiguous slices; a derived token weight can be a broadcast scalar
     tangents = {i: t.contiguous() for i, t in tangents.items()}
     token_inputs = [t.contiguous() for t in token_inputs]
-    num_tokens, hidden_size = hidden.shape
+    batch, hidden_size = hidden.shape
+    num_tokens = batch if rows is None else rows.numel()
     vocab_size = program.vocab_size
     acc = _acc_dtype(hidden)
-    tile = effective_tile(num_tokens, tile_tokens)
+    tile, schedule = _plan(weight, tile_tokens, num_tokens, batch, acc, compile_tiles, need_weight)
+    tiled_loss.last_tiles = (num_tokens, -(-num_tokens // tile), tile, schedule)
     key = ProgramKernelKey(
         program=program.key,
         tile=tile,
@@ -204,40 +267,65 @@ def _run_tiles(
         acc_dtype=acc,
         compiled=compile_tiles,
         onednn=onednn_gemms_apply(hidden.device),
-        weight_grad=_weight_grad.schedule_for(weight.dtype, acc) if need_weight else "float32",
+        weight_grad=schedule,
         vocab_size=vocab_size,
     )
-    split = key.weight_grad == "split"
+    split, direct = schedule == "split", need_weight and schedule == "direct"
+    make = _tile_buffers.empty if rows is None else _tile_buffers.zeros
     outputs = [
-        _tile_buffers.empty((num_tokens, *_region.row_part(out.layout, vocab_size)), out.dtype, hidden.device)
+        make((batch, *_region.row_part(out.layout, vocab_size)), out.dtype, hidden.device)
         for out in program.outputs
     ] if keep_outputs else None  # fmt: skip
-    grad_hidden = _tile_buffers.empty(hidden.shape, hidden.dtype, hidden.device) if need_hidden else None
+    whole = rows is None and num_tokens == tile  # one tile, no padding: its hidden gradient is the result
+    grad_hidden = make(hidden.shape, hidden.dtype, hidden.device) if need_hidden and not whole else None
     if split:  # the float32 sum as two 16-bit planes: 4 bytes per weight with the gradient
         weight_acc = _weight_grad.unwritten_planes(weight.shape, weight.device)
+    elif direct:  # the only tile forms it (none when no token runs)
+        weight_acc = (
+            _tile_buffers.zeros(weight.shape, weight.dtype, weight.device) if not num_tokens else None
+        )
     else:
         weight_acc = _tile_buffers.zeros(weight.shape, acc, weight.device) if need_weight else None
     bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
     for start in range(0, num_tokens, tile):
         stop = min(start + tile, num_tokens)
-        rows = stop - start
-        size = tile if rows == tile else effective_tile(rows, tile)
+        count = stop - start
+        size = tile if count == tile else effective_tile(count, tile)
         kernel = _program_kernel(key if size == key.tile else dataclasses.replace(key, tile=size))
+        picked = None if rows is None else rows[start:stop]
 
-        args = [_tile_of(hidden, start, stop, size), weight] + ([bias] if bias is not None else [])
-        args += [_tile_of(t, start, stop, size) for t in token_inputs] + list(row_inputs)
-        args += [_tile_of(tangents[i], start, stop, size, zeros=True) for i in key.tangents]
-        args += [*weight_acc] if split else [weight_acc] if weight_acc is not None else []
+        def tile_of(t, zeros=False, picked=picked, start=start, stop=stop, size=size):
+            if picked is None:
+                return _tile_of(t, start, stop, size, zeros)
+            return _tile_of(t.index_select(0, picked), 0, stop - start, size, zeros)
+
+        args = [tile_of(hidden), weight] + ([bias] if bias is not None else [])
+        args += [tile_of(t) for t in token_inputs] + list(row_inputs)
+        args += [tile_of(tangents[i], zeros=True) for i in key.tangents]
+        args += [*weight_acc] if split else [weight_acc] if weight_acc is not None and not direct else []
         args += [bias_acc] if bias_acc is not None else []
         with _last_add_if(split and stop == num_tokens, weight_acc):
             result = list(kernel(*args))
+        if direct:
+            weight_acc = result.pop()
         if outputs is not None:
             for out, value in zip(outputs, result, strict=False):
-                out[start:stop] = value[:rows]
+                if picked is None:
+                    out[start:stop] = value[:count]
+                else:
+                    out.index_copy_(0, picked, value[:count])
         if need_hidden:
-            grad_hidden[start:stop] = result[len(program.outputs)][:rows]
+            grad = result[len(program.outputs)]
+            if whole:
+                grad_hidden = grad
+            elif picked is None:
+                grad_hidden[start:stop] = grad[:count]
+            else:
+                grad_hidden.index_copy_(0, picked, grad[:count])
     if split:  # rounded once into the weight dtype, over the high plane
         weight_acc = finish_split(*_weight_grad.settle(*weight_acc), weight.dtype, compile_tiles)
+    if need_hidden and grad_hidden is None:  # no token ran
+        grad_hidden = _tile_buffers.zeros(hidden.shape, hidden.dtype, hidden.device)
     if need_hidden and program.shard is not None:  # each rank holds its shard's share
         group = torch.distributed.distributed_c10d._resolve_process_group(program.shard[0])
         torch.distributed.all_reduce(grad_hidden, group=group)
@@ -310,9 +398,11 @@ def _row_region_loss(
     zeros = [out.zero_() for out in _fake_outputs(region, hidden)]
     weights = _reduction_gradient(region, zeros, reduce_inputs)
     diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
+    tangents = dict(zip(diff, weights, strict=True))
+    rows = _skipped_rows(region, token_inputs, hidden, tangents, values=True)
     outputs, *grads = _run_tiles(
-        region, hidden, weight, bias, token_inputs, row_inputs, dict(zip(diff, weights, strict=True)),
-        tile_tokens, compile_tiles, (need_hidden, need_weight, need_bias),
+        region, hidden, weight, bias, token_inputs, row_inputs, tangents, tile_tokens, compile_tiles,
+        (need_hidden, need_weight, need_bias), rows=rows,
     )  # fmt: skip
     with _region.dispatch_as_caller():
         loss = _region.run_reduction(region.reduction, outputs, reduce_inputs, hidden.device.type)
@@ -365,9 +455,10 @@ def _row_region(
     """The outputs, flat over the tokens; nothing is differentiated in forward."""
     region = _region.lookup(program)
     _check_indices(region, token_inputs)
+    rows = _skipped_rows(region, token_inputs, hidden, None, values=True)
     outputs, *_ = _run_tiles(
         region, hidden, weight, bias, token_inputs, row_inputs, {}, tile_tokens, compile_tiles,
-        (False, False, False),
+        (False, False, False), rows=rows,
     )  # fmt: skip
     return outputs
 
@@ -396,9 +487,11 @@ def _row_region_backward(
     """The vector-Jacobian product for the differentiable outputs' ``tangents`` (in order)."""
     region = _region.lookup(program)
     diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
+    tangents = dict(zip(diff, tangents, strict=True))
+    rows = _skipped_rows(region, token_inputs, hidden, tangents, values=False)
     _, *grads = _run_tiles(
-        region, hidden, weight, bias, token_inputs, row_inputs, dict(zip(diff, tangents, strict=True)),
-        tile_tokens, compile_tiles, (need_hidden, need_weight, need_bias), keep_outputs=False,
+        region, hidden, weight, bias, token_inputs, row_inputs, tangents, tile_tokens, compile_tiles,
+        (need_hidden, need_weight, need_bias), keep_outputs=False, rows=rows,
     )  # fmt: skip
     return list(_grads_or_empty(hidden, weight, bias, *grads))
 

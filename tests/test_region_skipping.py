@@ -1,0 +1,114 @@
+"""Row-wise regions run only the tokens that can change a result (CPU).
+
+A token is left out of the tiles where every output the caller needs is zero whatever its
+logits (a cross entropy's ignored label, a product with a zero mask, ``where(mask, x, 0)``)
+or reaches the scalar loss with a zero token weight (a mask applied in the reduction). The
+plan the tiles ran (``tile_pass.tiled_loss.last_tiles``: rows, tiles, tile, schedule) shows
+it; the loss and gradients stay float64 eager's, with a fully masked tile and uneven counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_close_to_oracle, leaves
+
+import tile_pass
+from tile_pass import tiled_loss
+
+N, H, V, TILE = 40, 16, 53, 8
+
+
+def masked_grpo(h, w, y, mask):  # the mask multiplies the per-token log-probs inside the region
+    logp = F.linear(h, w).log_softmax(-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return -(logp * mask).sum() / mask.sum()
+
+
+def mask_in_the_reduction(h, w, y, mask):  # per-token log-probs, masked after the region
+    logits = F.linear(h, w)
+    logp = torch.gather(logits, -1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    return -(logp.view(4, -1) * mask.view(4, -1)).sum(-1).mean()
+
+
+def ce_plus_masked_entropy(h, w, y, mask):  # ignored labels and a masked entropy: both zero there
+    logits = F.linear(h, w)
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    return F.cross_entropy(logits, y) - 0.1 * torch.where(mask.bool(), entropy, 0.0).sum() / mask.sum()
+
+
+def z_loss_over_every_token(h, w, y, mask):  # the z-loss reads every token: nothing is left out
+    logits = F.linear(h, w)
+    return F.cross_entropy(logits, y) + 1e-2 * logits.logsumexp(-1).pow(2).mean()
+
+
+def per_token_log_probs(h, w, y, mask):  # returned per token; zero where the label is ignored
+    return -F.cross_entropy(F.linear(h, w), y, reduction="none")
+
+
+SKIPPING = {masked_grpo: "mask", mask_in_the_reduction: "mask", ce_plus_masked_entropy: "mask",
+            per_token_log_probs: "labels", z_loss_over_every_token: None}  # fmt: skip
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(N, H, generator=g)
+    w = torch.randn(V, H, generator=g) * 0.5
+    y = torch.randint(0, V, (N,), generator=g)
+    mask = (torch.rand(N, generator=g) > 0.4).float()
+    mask[:TILE] = 0  # a fully masked tile
+    y[mask == 0] = -100
+    return h, w, y, mask
+
+
+@pytest.mark.parametrize("fn", list(SKIPPING), ids=[f.__name__ for f in SKIPPING])
+def test_tiles_run_only_the_tokens_that_count(fn):
+    h, w, y, mask = _inputs()
+    backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
+    compiled = torch.compile(fn, backend=backend)
+    hc, wc = leaves(h, w)
+    out = compiled(hc, wc, y, mask)
+    ran = tiled_loss.last_tiles[0]
+    assert backend.report().rewrites, backend.report()
+    tangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    grads = torch.autograd.grad(out, (hc, wc), tangent)
+    h64, w64 = leaves(h, w, dtype=torch.float64)
+    ref = fn(h64, w64, y, mask.double())
+    ref_grads = torch.autograd.grad(ref, (h64, w64), tangent.double())
+    assert_close_to_oracle(out, ref, torch.float32, "output")
+    for got, want, name in zip(grads, ref_grads, ("hidden", "weight"), strict=True):
+        assert_close_to_oracle(got, want, torch.float32, name)
+    if SKIPPING[fn] is None:
+        assert ran == N
+    else:
+        assert ran == int(mask.sum()), (ran, int(mask.sum()))
+
+
+def test_a_non_finite_hidden_state_at_a_masked_token_keeps_eagers_nan():
+    """A product with a zero mask is zero only where the logits are finite: eager's loss is NaN."""
+    h, w, y, mask = _inputs()
+    h[3] = float("nan")  # a masked token
+    compiled = torch.compile(masked_grpo, backend=tile_pass.backend("aot_eager", tile_tokens=TILE))
+    out = compiled(*leaves(h, w), y, mask)
+    assert torch.isnan(masked_grpo(h, w, y, mask)) and torch.isnan(out)
+    assert tiled_loss.last_tiles[0] == N
+
+
+def test_an_ignored_label_skips_even_a_non_finite_token():
+    """The cross entropy of an ignored label is zero whatever the logits, as in eager."""
+    h, w, y, mask = _inputs()
+    h[3] = float("nan")
+
+    def ce_and_z_loss_of_labelled(h, w, y):
+        logits = F.linear(h, w)
+        ce = F.cross_entropy(logits, y, reduction="none")
+        z = torch.where(y != -100, logits.logsumexp(-1), 0.0).pow(2)
+        return (ce + 1e-2 * z).sum() / (y != -100).sum()
+
+    backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
+    out = torch.compile(ce_and_z_loss_of_labelled, backend=backend)(h, w, y)
+    assert backend.report().rewrites
+    eager = ce_and_z_loss_of_labelled(h, w, y)
+    assert torch.isfinite(eager)
+    torch.testing.assert_close(out, eager)
+    assert tiled_loss.last_tiles[0] == int((y != -100).sum())
