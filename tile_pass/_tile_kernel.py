@@ -966,7 +966,7 @@ def _block_split_accumulation(root: torch.fx.GraphModule, key: KernelKey) -> int
         add = store = add_and_round = None
         if key.compiled:
             V, H = key.vocab_size, key.hidden_size
-            itemsize = torch.empty((), dtype=key.weight_dtype).element_size()
+            itemsize = key.weight_dtype.itemsize
             heights = _block_heights(V, _weight_grad.product_block_rows(V, H * itemsize))
             add = _SplitAddByBlockHeight({
                 h: _compiled_split_add(

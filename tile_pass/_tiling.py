@@ -58,7 +58,7 @@ def tile_bytes_per_token(
     """Bytes of ``[1, V]`` buffers one token of a tile keeps alive (see module docstring);
     ``fused``: the tile's middle is compiled and writes the gradient over the logits (before
     torch 2.13 the gradient gets a buffer of its own: see ``STORE_GRAD_OVER_LOGITS``)."""
-    itemsize = torch.empty((), dtype=logits_dtype).element_size()
+    itemsize = logits_dtype.itemsize  # no host tensor: this runs in every tile loop
     if fused:
         return vocab_size * itemsize * (1 if STORE_GRAD_OVER_LOGITS else 2)
     per_element = itemsize + 4 + 4  # logits, fp32 log-probs, fp32 gradient

@@ -61,7 +61,7 @@ def schedule_for(weight_dtype: torch.dtype, acc_dtype: torch.dtype = torch.float
 def bytes_per_weight(schedule: str, weight_dtype: torch.dtype) -> int:
     """Bytes per weight the weight-gradient sum and the returned gradient hold at the end of
     the tile loop (what ``explain`` and the byte model report)."""
-    itemsize = torch.empty((), dtype=weight_dtype).element_size()
+    itemsize = weight_dtype.itemsize
     if schedule == "direct":  # the only tile's gradient is the returned one
         return itemsize
     if schedule == "split":
@@ -155,7 +155,7 @@ def held_bytes(
 def _within_half_of_unfused(tile, batch_tokens, weight_shape, weight_dtype, tile_bytes_per_token) -> int:
     from tile_pass._tiling import MIN_AUTO_TILE
 
-    itemsize = torch.empty((), dtype=weight_dtype).element_size()
+    itemsize = weight_dtype.itemsize
     bound = unfused_bytes(batch_tokens, weight_shape, itemsize, tile_bytes_per_token) // 2
     shrunk = tile
     while (
@@ -406,7 +406,7 @@ def finish(hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     """The float32 sum rounded once into ``dtype`` (16 bits), written over ``hi`` in place;
     ``lo`` is dead afterwards. Each element is read from its own pair and written to its own
     place, so the blocks can be converted in any order."""
-    if torch.empty((), dtype=dtype).element_size() != 2:
+    if dtype.itemsize != 2:
         raise ValueError(f"the split sum rounds into a 16-bit dtype, not {dtype}")
     for start, stop in _blocks(hi.shape[0], hi[0].numel() * 8 if hi.dim() else 8):
         block = _as_float32(hi[start:stop], lo[start:stop]).to(dtype)

@@ -1,0 +1,932 @@
+"""A CUDA dry run without a GPU: tile_pass's CUDA branches traced on fake ``cuda`` tensors.
+
+Every CUDA branch of tile_pass (every token computed, no label check on the host, the tile
+budget from free device memory, the weight-gradient sums without the CPU's C loops and shared
+buffers, compiled tile middles without the CPU's row blocks) runs here on ``FakeTensorMode``
+tensors whose device is ``cuda``: the Dynamo graph is matched and rewritten, the tile functions
+are traced and differentiated by ``make_fx``, and the tile loops run end to end, with shapes,
+dtypes and devices checked. Fake tensors hold no data, so any host synchronisation
+(``.item()``, ``bool(tensor)``, ``nonzero``) raises: a clean run shows there is none, and a
+``make_fx`` trace of the loops shows no ``_local_scalar_dense``/``nonzero`` and no tensor on
+the CPU. Inductor is replaced by a recorder (it would generate Triton, which needs a GPU): the
+compiled middles are checked as the graphs Inductor would be handed, not as kernels.
+
+Why a child process: on a CPU-only build, autograd cannot differentiate fake ``cuda`` tensors.
+Its engine asks for the CUDA device guard ("PyTorch is not linked with support for cuda
+devices", a process abort) and for the current CUDA stream ("Cannot access accelerator device
+when none is available"), and torch creates its CUDA hooks when it is imported. So the checks
+run in one spawned process that loads a small C++ shim before torch: c10's own
+``FakeGuardImpl<CUDA>`` as the CUDA device guard, and CUDA hooks that report CUDA present. The
+shim is built here with the system C++ compiler against torch's headers (cached in the temp
+directory); nothing in it computes, and ``torch.cuda.is_available()`` stays False in the child.
+On a machine with a GPU the child runs without the shim.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import hashlib
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+# ------------------------------------------------------------------ the child process
+
+_SHIM = r"""
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/FakeGuardImpl.h>
+
+namespace {
+c10::impl::FakeGuardImpl<c10::DeviceType::CUDA> fake_cuda_guard;
+
+struct FakeCUDAHooks : at::CUDAHooksInterface {
+  explicit FakeCUDAHooks(at::CUDAHooksArgs) {}
+  void init() const override {}
+  bool hasCUDA() const override { return true; }
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  c10::DeviceIndex deviceCount() const override { return 1; }
+  int getNumGPUs() const override { return 1; }
+  c10::DeviceIndex current_device() const override { return 0; }
+  c10::DeviceIndex getCurrentDevice() const override { return 0; }
+};
+
+// 1: installed; 0: a CUDA device guard exists (a CUDA build), nothing done; -1: the guard is
+// set but torch had created its CUDA hooks already (the shim was loaded after torch)
+int status = 0;
+
+__attribute__((constructor)) void install() {
+  auto& slot = c10::impl::device_guard_impl_registry[static_cast<size_t>(c10::DeviceType::CUDA)];
+  if (slot.load() != nullptr) return;
+  slot.store(&fake_cuda_guard);
+  at::CUDAHooksRegistry()->Register(
+      "CUDAHooks", [](at::CUDAHooksArgs args) -> std::unique_ptr<at::CUDAHooksInterface> {
+        return std::make_unique<FakeCUDAHooks>(args);
+      });
+  status = at::hasCUDA() ? 1 : -1;
+}
+}  // namespace
+
+extern "C" int tile_pass_fake_cuda_status() { return status; }
+"""
+
+
+def _shim_library() -> str:
+    """The shim's shared library, built once per torch version and source (or a skip saying why not)."""
+    if sys.platform != "linux":
+        pytest.skip("the fake-CUDA shim is built for Linux only")
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    torch_dir = Path(torch.__file__).parent
+    include, lib = torch_dir / "include", torch_dir / "lib"
+    if compiler is None:
+        pytest.skip("no C++ compiler to build the fake-CUDA shim (set CXX)")
+    if not (include / "ATen" / "detail" / "CUDAHooksInterface.h").exists():
+        pytest.skip(f"torch's C++ headers are not installed under {include}")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    digest = hashlib.sha256(f"{_SHIM}{torch.__version__}{torch_dir}{compiler}{abi}".encode()).hexdigest()[:16]
+    built = Path(tempfile.gettempdir()) / f"tile_pass_fake_cuda_{digest}.so"
+    if built.exists():
+        return str(built)
+    work = Path(tempfile.mkdtemp(prefix="tile_pass_fake_cuda_"))
+    source, out = work / "shim.cpp", work / "shim.so"
+    source.write_text(_SHIM)
+    for standard in ("c++17", "c++20"):  # torch's headers need at least C++17
+        command = [
+            compiler, "-O1", f"-std={standard}", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-I{include}", str(source), "-o", str(out),
+            f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}",
+        ]  # fmt: skip
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            pytest.skip(f"could not build the fake-CUDA shim: {error}")
+        if done.returncode == 0:
+            break
+    else:
+        pytest.skip(f"could not build the fake-CUDA shim: {done.stderr.strip()[-600:]}")
+    os.replace(out, built)  # atomic: a concurrent session sees the whole library or none
+    shutil.rmtree(work, ignore_errors=True)
+    return str(built)
+
+
+class _Child:
+    """One spawned process that runs the checks; restarted if a check kills it."""
+
+    def __init__(self, shim: str):
+        self.shim = shim
+        self.pool = None
+
+    def run(self, check, *args):
+        if self.pool is None:
+            self.pool = concurrent.futures.ProcessPoolExecutor(
+                1,
+                mp_context=multiprocessing.get_context("spawn"),
+                # the shim's constructor must run before torch is imported: the initializer is
+                # ctypes' loader, unpickled and called before any check (or torch) is loaded
+                initializer=ctypes.CDLL,
+                initargs=(self.shim,),
+            )
+        try:
+            return self.pool.submit(check, *args).result(timeout=300)
+        except concurrent.futures.process.BrokenProcessPool:
+            self.close()
+            raise
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+            self.pool = None
+
+
+@pytest.fixture(scope="module")
+def child():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the CUDA tests run for real (scripts/cuda_check.sh)")
+    if torch.backends.cuda.is_built():
+        pytest.skip(
+            "a CUDA build without a device: autograd of fake cuda tensors needs a device there, and "
+            "this build's own CUDA hooks cannot be replaced"
+        )
+    runner = _Child(_shim_library())
+    yield runner
+    runner.close()
+
+
+# ------------------------------------------------- what the child runs (helpers and checks)
+
+aten = torch.ops.aten
+CUDA = torch.device("cuda", 0)
+
+#: ops that read a device value on the host (or whose output size does)
+_HOST_SYNCS = {
+    aten._local_scalar_dense.default,
+    aten.item.default,
+    aten.nonzero.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+    aten.masked_select.default,
+}
+
+
+def _quiet():
+    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+    warnings.filterwarnings("ignore", message="User provided device_type of 'cuda'")
+
+
+def _modules():
+    """tile_pass's modules, imported in the child (``tile_pass.tiled_loss`` is also a function name)."""
+    import importlib
+
+    import tile_pass
+
+    names = ("_tile_kernel", "_tiling", "_weight_grad", "_split_sum_cpu", "tiled_loss", "tiled_region",
+             "vocab_parallel")  # fmt: skip
+    return tile_pass, {name: importlib.import_module(f"tile_pass.{name}") for name in names}
+
+
+def _fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()  # no ShapeEnv: a data-dependent value raises
+
+
+def _assert_fake_cuda(t, shape, dtype, what=""):
+    from torch._subclasses.fake_tensor import is_fake
+
+    assert isinstance(t, torch.Tensor) and is_fake(t), f"{what}: {type(t)} is not a fake tensor"
+    assert t.device.type == "cuda", f"{what}: on {t.device}, not cuda"
+    assert tuple(t.shape) == tuple(shape), f"{what}: shape {tuple(t.shape)}, expected {tuple(shape)}"
+    assert t.dtype == dtype, f"{what}: dtype {t.dtype}, expected {dtype}"
+
+
+def _head_spec(dtype, class_weight=False):
+    from tile_pass._tile_kernel import encode_head_spec
+
+    ops = [("cast", "float32")] if dtype != torch.float32 else []
+    return encode_head_spec(ops, class_weight=0 if class_weight else None)
+
+
+def _assert_no_host_sync(gm: torch.fx.GraphModule, what: str) -> None:
+    """No op of the trace reads a device value on the host, and no tensor of it is on the CPU (no
+    copy to the host; ``meta`` tensors, which hold nothing, may be made to work out a dtype)."""
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "placeholder"):
+            continue
+        assert node.target not in _HOST_SYNCS, f"{what}: host synchronisation {node.format_node()}"
+        for value in torch.utils._pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, torch.Tensor):
+                where = value.device.type
+                assert where in ("cuda", "meta"), f"{what}: {node.format_node()} makes a tensor on {where}"
+
+
+@contextlib.contextmanager
+def _patch_cuda_memory(free_bytes: int):
+    """``torch.cuda`` as the tile budget reads it: available, with ``free_bytes`` free."""
+    with (
+        mock.patch("torch.cuda.is_available", lambda: True),
+        mock.patch("torch.cuda.mem_get_info", lambda device=None: (free_bytes, 2 * free_bytes)),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _recorded_inductor():
+    """Inductor replaced by a recorder of what it is handed (each graph runs as traced), and the
+    tile graphs finished with fake example inputs (on a GPU those are real device tensors).
+    Yields the ``(graph, example inputs)`` handed over; drops the stubbed kernels on exit."""
+    tile_pass, m = _modules()
+    handed = []
+
+    def compile_fx(gm, example_inputs, *args, **kwargs):
+        handed.append((gm, list(example_inputs)))
+        return gm
+
+    finish = m["_tile_kernel"].finish_tile_graph
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def finish_with_fake_examples(gm, key, retrace=None):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return finish(gm, key, retrace)
+
+    patches = [mock.patch("torch._inductor.compile_fx.compile_fx", compile_fx)]
+    patches += [
+        mock.patch.object(m[name], "finish_tile_graph", finish_with_fake_examples)
+        for name in ("_tile_kernel", "tiled_region", "vocab_parallel")
+    ]
+    tile_pass.clear_caches()
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        try:
+            yield handed
+        finally:
+            tile_pass.clear_caches()
+
+
+def _assert_middles_for_cuda(handed, what):
+    """Every graph handed to Inductor takes cuda inputs only, and no tile middle holds a GEMM."""
+    assert handed, f"{what}: nothing was handed to Inductor"
+    for gm, examples in handed:
+        devices = {e.device.type for e in examples if isinstance(e, torch.Tensor)}
+        assert devices == {"cuda"}, f"{what}: Inductor would compile for {devices}"
+        gemms = [n for n in gm.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
+        assert not gemms, f"{what}: a GEMM in a compiled middle: {gemms}"
+
+
+def _check_premise(shim):
+    """The child has the shim installed and no GPU, fake cuda tensors are differentiated, and a
+    host synchronisation on them raises."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    _quiet()
+    status = ctypes.CDLL(shim).tile_pass_fake_cuda_status()
+    assert status == 1, f"fake-CUDA shim status {status} (-1: torch was imported before it)"
+    assert not torch.cuda.is_available()
+    with _fake_mode():
+        x = torch.randn(4, 3, device="cuda").requires_grad_()
+        (grad,) = torch.autograd.grad((x * x).sum(), x)
+        assert grad.device.type == "cuda"
+        for sync in (lambda: bool(x.sum() > 0), lambda: x.sum().item(), lambda: x.nonzero()):
+            try:
+                sync()
+            except (DataDependentOutputException, DynamicOutputShapeException):
+                continue
+            raise AssertionError("a host synchronisation did not raise under FakeTensorMode")
+    return "ok"
+
+
+def _check_planning(dtype):
+    """The budget is 1/16 of the free device memory within [256 MiB, 4 GiB]; the tile and the
+    weight-gradient schedule follow from it as documented, unlike the CPU's fixed 128 MiB."""
+    _quiet()
+    _, m = _modules()
+    tiling, weight_grad = m["_tiling"], m["_weight_grad"]
+    with _patch_cuda_memory(8 << 30):
+        assert tiling._free_gpu_memory(0) == 8 << 30
+        assert tiling.default_tile_bytes("cuda") == (8 << 30) // 16
+        assert tiling.default_tile_bytes("cuda:0") == (8 << 30) // 16
+        assert tiling.default_tile_bytes("cpu") == tiling.DEFAULT_TILE_BYTES
+    with _patch_cuda_memory(1 << 30):
+        assert tiling.default_tile_bytes(torch.device("cuda", 0)) == tiling.GPU_MIN_TILE_BYTES
+    with _patch_cuda_memory(1 << 40):
+        assert tiling.default_tile_bytes("cuda") == tiling.GPU_MAX_TILE_BYTES
+    assert tiling._free_gpu_memory(0) is None  # unpatched: no device here
+    assert tiling.default_tile_bytes("cuda") == tiling.GPU_MIN_TILE_BYTES
+
+    V, H, itemsize = 128256, 4096, dtype.itemsize
+    for fused in (False, True):
+        per_token = tiling.tile_bytes_per_token(V, dtype, dtype != torch.float32, fused)
+        with _patch_cuda_memory(80 << 30):  # an 80 GiB device: the 4 GiB cap
+            tile = tiling.choose_tile_tokens(V, dtype, dtype != torch.float32, device="cuda", fused=fused)
+        assert tile == min(65536, (4 << 30) // per_token // 16 * 16), (fused, tile)
+        cpu = tiling.choose_tile_tokens(V, dtype, dtype != torch.float32, device="cpu", fused=fused)
+        assert cpu < tile
+        # the tile loop's plan for the CUDA benchmark's batches
+        for N in (8192, 16384):
+            now = tiling.effective_tile(N, tiling.auto_tile(tile))
+            planned, schedule = weight_grad.plan(N, now, tile, (V, H), dtype, torch.float32, per_token, N)
+            assert schedule == ("float32" if dtype == torch.float32 else "split"), schedule
+            assert planned % 64 == 0 and planned >= tiling.MIN_AUTO_TILE and -(-N // planned) >= 2
+            if dtype == torch.bfloat16:  # at most half of the unfused step, where a tile >= 256 gets there
+                bound = weight_grad.unfused_bytes(N, (V, H), itemsize, per_token) // 2
+                held = [weight_grad.held_bytes(t, N, (V, H), itemsize, per_token) for t in (planned, 256)]
+                assert held[0] <= bound or held[1] > bound, (N, fused, planned)
+    return "ok"
+
+
+@contextlib.contextmanager
+def _implementations():
+    """The custom ops' Python implementations in place of the ops, so that a rewritten graph run
+    on fake tensors runs the tile loops (an op on fake tensors runs its fake kernel instead)."""
+    _, m = _modules()
+    ops = [("tiled_loss", "_linear_ce_reduced"), ("tiled_loss", "_linear_ce_tokens"),
+           ("tiled_region", "_row_region_loss"), ("tiled_region", "_row_region"),
+           ("vocab_parallel", "_vocab_parallel_ce")]  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        for module, name in ops:
+            stack.enter_context(mock.patch.object(m[module], name, getattr(m[module], name)._init_fn))
+        yield
+
+
+def _capture(fn, inputs, **options):
+    """``fn`` compiled by tile_pass's backend on fake cuda inputs made from ``inputs`` (``(shape,
+    dtype)`` for floating tensors that require grad, ``(shape, high)`` for class indices):
+    ``(mode, inputs, fn's result, report, rewritten graph)``."""
+    tile_pass, _ = _modules()
+    torch._dynamo.reset()
+    graphs = []
+    backend = tile_pass.backend(lambda gm, example_inputs: graphs.append(gm) or gm.forward, **options)
+    mode = _fake_mode()
+    with mode:
+        made = [
+            torch.randn(shape, dtype=kind, device=CUDA, requires_grad=True)
+            if isinstance(kind, torch.dtype)
+            else torch.randint(0, kind, shape, device=CUDA)
+            for shape, kind in inputs
+        ]  # fmt: skip
+    result = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*made)
+    (gm,) = graphs
+    return mode, made, result, backend.report(), gm
+
+
+def _linear_ce(h, w, y):
+    return F.cross_entropy(F.linear(h, w).float().view(-1, w.shape[0]), y.view(-1))
+
+
+def _linear_ce_returning_logits(h, w, y):
+    logits = F.linear(h, w)
+    return F.cross_entropy(logits.float().view(-1, w.shape[0]), y.view(-1), reduction="sum"), logits
+
+
+def _check_cross_entropy_rewrite(dtype, returns_logits):
+    """Dynamo's graph on fake cuda inputs: the region is matched and rewritten, the report plans
+    the tiles from the device's free memory (6 GiB: a 384 MiB budget, not the CPU's 128 MiB),
+    forward and backward run on the fake device, and the rewritten graph runs its tile loop
+    (compiled tiles, as Inductor would get them) with no host synchronisation."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    _quiet()
+    _, m = _modules()
+    tiling, weight_grad = m["_tiling"], m["_weight_grad"]
+    # batches where the budget, not the batch, bounds the tile: 8 tiles here, 16 on the CPU (a
+    # small V keeps the weight-gradient product to one block per tile: each is a traced call here)
+    B, T, H, V = (8 if dtype == torch.float32 else 16), 8192, 64, 8000
+    N = B * T
+    fn = _linear_ce_returning_logits if returns_logits else _linear_ce
+    with mock.patch.object(tiling, "_free_gpu_memory", lambda device_index: 6 << 30):
+        mode, (h, w, y), result, report, gm = _capture(fn, [((B, T, H), dtype), ((V, H), dtype), ((B, T), V)])
+        budget = tiling.default_tile_bytes(CUDA)
+    assert budget == 384 << 20
+    loss, logits = result if returns_logits else (result, None)
+    _assert_fake_cuda(loss, (), torch.float32, "loss")
+    if returns_logits:
+        _assert_fake_cuda(logits, (B, T, V), dtype, "returned logits")
+    (graph,) = report.graphs
+    assert not graph.skipped and len(graph.rewrites) == 1, str(report)
+    (rewrite,) = graph.rewrites
+    largest = tiling.choose_tile_tokens(V, dtype, True, tile_bytes=budget, fused=True)
+    cpu = tiling.choose_tile_tokens(V, dtype, True, device="cpu", fused=True)
+    on_cpu = tiling.effective_tile(N, tiling.auto_tile(cpu))
+    assert tiling.effective_tile(N, tiling.auto_tile(largest)) > on_cpu
+    tile, schedule = weight_grad.plan(
+        N, tiling.effective_tile(N, tiling.auto_tile(largest)), largest, (V, H), dtype, torch.float32,
+        tiling.tile_bytes_per_token(V, dtype, True, True), N,
+    )  # fmt: skip
+    assert schedule == ("float32" if dtype == torch.float32 else "split")
+    assert (rewrite.dtype, rewrite.num_tokens, rewrite.compiled_tiles) == (str(dtype)[6:], N, True)
+    assert (rewrite.tile_tokens, rewrite.num_tiles) == (tile, -(-N // tile)), str(rewrite)
+    text = "float32 sum in two 16-bit planes" if schedule == "split" else "float32 sum"
+    assert rewrite.weight_grad_sum.startswith(text), rewrite.weight_grad_sum
+    if returns_logits:
+        assert rewrite.returned_logits.startswith("returned exactly, written by the tiles"), rewrite
+    calls = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "tiled_region_loss"]
+    assert len(calls) == 1 and calls[0].kwargs["compile_tiles"] is True
+    assert calls[0].kwargs["tile_tokens"] == tiling.auto_tile(largest)
+
+    with mode:
+        loss.backward()  # the op's backward (the chain rule for a scalar) on the fake device
+    _assert_fake_cuda(h.grad, (B, T, H), dtype, "hidden gradient")
+    _assert_fake_cuda(w.grad, (V, H), dtype, "weight gradient")
+
+    with _recorded_inductor() as handed, _implementations(), mode:
+        # the rewritten graph with its tile loop, run (and traced) on the fake device
+        traced = make_fx(gm, tracing_mode="fake")(h, w, y)
+    rows, tiles, loop_tile, loop_schedule = m["tiled_loss"].last_tiles
+    assert (rows, loop_tile, tiles) == (N, tile, -(-N // tile))  # every token: no skipping on a GPU
+    assert loop_schedule == schedule
+    out = [n.meta["val"] for n in next(n for n in traced.graph.nodes if n.op == "output").args[0]]
+    _assert_fake_cuda(out[0], (), torch.float32, "loss from the tile loop")
+    if returns_logits:
+        _assert_fake_cuda(out[1], (B, T, V), dtype, "logits written by the tiles")
+    _assert_no_host_sync(traced, "rewritten graph")
+    _assert_middles_for_cuda(handed, "rewritten graph")
+    return "ok"
+
+
+def _z_loss(h, w, y):
+    logits = F.linear(h, w).float()
+    ce = F.cross_entropy(logits.view(-1, w.shape[0]), y.view(-1))
+    return ce + 1e-4 * logits.logsumexp(-1).pow(2).mean()
+
+
+def _token_log_probs(h, w, ids):
+    return F.linear(h, w).log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+def _check_row_region_rewrite(dtype, form, compiled):
+    """A row-wise region (z-loss: one scalar loss; per-token log-probabilities: returned rows) on
+    fake cuda inputs: matched, rewritten and planned for the device, run through its tile loop
+    (``row_region_loss``/``row_region``, then ``row_region_backward``) with no host sync; the
+    program's tile functions are traced for cuda."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    _quiet()
+    _, m = _modules()
+    tiling, region_op = m["_tiling"], m["tiled_region"]
+    B, T, H, V = 2, 2048, 64, 8000  # a V where the device budget and the CPU's give other tiles
+    N = B * T
+    fn = _z_loss if form == "z_loss" else _token_log_probs
+    with mock.patch.object(tiling, "_free_gpu_memory", lambda device_index: 8 << 30):
+        mode, (h, w, y), result, report, gm = _capture(
+            fn, [((B, T, H), dtype), ((V, H), dtype), ((B, T), V)], compile_tiles=compiled
+        )
+    (graph,) = report.graphs
+    assert not graph.skipped and len(graph.rewrites) == 1, str(report)
+    (rewrite,) = graph.rewrites
+    upcast = dtype != torch.float32
+    largest = tiling.choose_tile_tokens(V, dtype, upcast, tile_bytes=512 << 20, fused=compiled)
+    tile = tiling.effective_tile(N, tiling.auto_tile(largest))
+    assert (rewrite.tile_tokens, rewrite.compiled_tiles) == (tile, compiled), str(rewrite)
+    (call,) = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "run_region"]
+    cpu = tiling.choose_tile_tokens(V, dtype, upcast, device="cpu", fused=compiled)
+    assert call.kwargs["tile_tokens"] == tiling.auto_tile(largest) != tiling.auto_tile(cpu), call.kwargs
+    schedule = "two 16-bit planes" if dtype == torch.bfloat16 else "float32 sum ("
+    assert schedule in rewrite.weight_grad_sum, rewrite.weight_grad_sum
+    with mode:
+        if form == "z_loss":
+            _assert_fake_cuda(result, (), torch.float32, "z-loss")
+            result.backward()
+        else:
+            _assert_fake_cuda(result, (B, T), dtype, "log-probabilities")
+            result.sum().backward()  # row_region's vjp: row_region_backward, here its fake kernel
+    _assert_fake_cuda(h.grad, (B, T, H), dtype, "hidden gradient")
+    _assert_fake_cuda(w.grad, (V, H), dtype, "weight gradient")
+
+    keys, calls = [], []
+    program_kernel, row_region = region_op._program_kernel, region_op._row_region._init_fn
+
+    def spy_kernel(key):
+        keys.append(key)
+        return program_kernel(key)
+
+    def spy_region(*args, **kwargs):
+        calls.append((args, kwargs))
+        return row_region(*args, **kwargs)
+
+    context = _recorded_inductor() if compiled else contextlib.nullcontext([])
+    spies = mock.patch.object(region_op, "_program_kernel", spy_kernel)
+    with context as handed, _implementations(), spies, mode:
+        with mock.patch.object(region_op, "_row_region", spy_region):
+            out = gm(h, w, y)
+        if form == "z_loss":
+            _assert_fake_cuda(out[0], (), torch.float32, "z-loss from the tile loop")
+        else:
+            _assert_fake_cuda(out[0], (B, T), dtype, "log-probabilities from the tile loop")
+            ((args, kwargs),) = calls
+            hidden, weight, bias, token_inputs, row_inputs = args
+            tangents = [torch.ones(N, dtype=dtype, device=CUDA)]
+            grads = region_op._row_region_backward._init_fn(
+                tangents, hidden, weight, bias, token_inputs, row_inputs, **kwargs,
+                need_hidden=True, need_weight=True, need_bias=False,
+            )  # fmt: skip
+            _assert_fake_cuda(grads[0], (N, H), dtype, "row_region_backward: hidden gradient")
+            _assert_fake_cuda(grads[1], (V, H), dtype, "row_region_backward: weight gradient")
+        traced = make_fx(gm, tracing_mode="fake")(h, w, y)
+    _assert_no_host_sync(traced, f"{form} region")
+    if compiled:
+        _assert_middles_for_cuda(handed, f"{form} region")
+    assert keys and {k.device.type for k in keys} == {"cuda"}
+    assert not any(k.onednn for k in keys) and {k.compiled for k in keys} == {compiled}
+    differentiated = [k for k in keys if k.need_weight]
+    assert differentiated, "no tile function formed the weight gradient"
+    assert {k.weight_grad for k in differentiated} == {"split" if dtype == torch.bfloat16 else "float32"}
+    return "ok"
+
+
+def _check_tile_kernel(dtype, schedule, variant, compiled):
+    """``tile_kernel`` for a cuda key: traced and differentiated by make_fx on fake cuda tensors,
+    finished without the CPU's rewrites (shared logits buffer, oneDNN GEMMs, huge-page GEMM
+    outputs, row-blocked middles, C loops for the split sum), and run on fake cuda inputs."""
+    _quiet()
+    _, m = _modules()
+    kernels = m["_tile_kernel"]
+    from tile_pass import _tile_buffers
+
+    T, H, V = 96, 64, 1000
+    bias, keep = (True, 0) if variant == "bias+logits" else (False, -1)
+    ops = (("cast", "float32"),) if dtype != torch.float32 else ()
+    key = kernels.KernelKey(
+        head=kernels.LossHead(ops, ignore_index=-100, label_smoothing=0.1), tile=T, hidden_size=H,
+        vocab_size=V, hidden_dtype=dtype, weight_dtype=dtype, bias_dtype=dtype if bias else None,
+        target_dtype=torch.int64, extras=(), device=CUDA, need_hidden=True, need_weight=True,
+        need_bias=bias, acc_dtype=torch.float32, keep_logits_after=keep, compiled=compiled,
+        onednn=kernels.onednn_gemms_apply(CUDA), weight_grad=schedule,
+    )  # fmt: skip
+    assert key.onednn is False
+    context = _recorded_inductor() if compiled else contextlib.nullcontext([])
+    with context as handed:
+        kernel = kernels.tile_kernel(key)
+        graphs = [g for g in kernel.graph_module.modules() if isinstance(g, torch.fx.GraphModule)]
+        targets = {n.target for g in graphs for n in g.graph.nodes}
+        cpu_only = {_tile_buffers.mm, _tile_buffers.addmm, _tile_buffers.fresh_mm, kernels._onednn_mm}
+        assert not targets & cpu_only, targets & cpu_only
+        modules = list(kernel.graph_module.modules())
+        assert not any(isinstance(g, kernels._RowBlocked) for g in modules)
+        for g in graphs[:1]:
+            for n in g.graph.nodes:
+                if n.op == "placeholder":
+                    assert n.meta["val"].device.type == "cuda", n.format_node()
+        if schedule == "sum" and dtype == torch.float32:
+            assert aten.addmm_.default in targets  # the weight gradient summed in place
+        blocked = [g for g in modules if isinstance(g, kernels._BlockedSplitAccumulate)]
+        assert bool(blocked) == (schedule == "split")
+        for g in blocked:  # no C loop (store, add-and-round, add) on the GPU; the add is compiled or eager
+            assert g.store is None and g.add_and_round is None and (g.add is not None) == compiled
+            for add in g.add.adds.values() if compiled else ():
+                assert "_checked" not in add.__qualname__, "a CPU C loop adds into cuda planes"
+        if compiled:
+            assert type(kernel.graph_module.submod_1).__name__ == "_Compiled"
+            _assert_middles_for_cuda(handed, "tile middle")
+        with _fake_mode():
+            h = torch.randn(T, H, dtype=dtype, device=CUDA)
+            w = torch.randn(V, H, dtype=dtype, device=CUDA)
+            b = torch.randn(V, dtype=dtype, device=CUDA) if bias else None
+            y = torch.randint(0, V, (T,), device=CUDA)
+            coef = torch.rand(T, device=CUDA)
+            if schedule == "split":
+                weight_acc = m["_weight_grad"].unwritten_planes((V, H), CUDA)
+            else:
+                weight_acc = torch.zeros(V, H, device=CUDA) if schedule == "sum" else None
+            bias_acc = torch.zeros(V, device=CUDA) if bias else None
+            losses, grad_h, kept, grad_w = kernel(h, w, b, y, [], coef, weight_acc, bias_acc)
+            _assert_fake_cuda(losses, (T,), torch.float32, "losses")
+            _assert_fake_cuda(grad_h, (T, H), dtype, "hidden gradient")
+            if keep >= 0:
+                _assert_fake_cuda(kept, (T, V), dtype, "kept logits")
+            else:
+                assert kept is None
+            if schedule == "direct":
+                _assert_fake_cuda(grad_w, (V, H), dtype, "weight gradient of the only tile")
+            else:
+                assert grad_w is None
+    return "ok"
+
+
+_Z_LOSS_PROGRAMS: dict[torch.dtype, str] = {}
+
+
+def _capture_z_loss_program(dtype):
+    """The z-loss region's program, registered by a rewrite on fake cuda inputs (once per dtype)."""
+    if dtype not in _Z_LOSS_PROGRAMS:
+        gm = _capture(_z_loss, [((2, 64, 32), dtype), ((300, 32), dtype), ((2, 64), 300)])[4]
+        (call,) = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "run_region"]
+        _Z_LOSS_PROGRAMS[dtype] = call.kwargs["program"]
+    return _Z_LOSS_PROGRAMS[dtype]
+
+
+def _check_program_kernel(dtype, compiled):
+    """``tiled_region._program_kernel`` for a cuda key: the region's row program traced and
+    differentiated on fake cuda tensors, and run on fake cuda inputs."""
+    _quiet()
+    _, m = _modules()
+    region_op = m["tiled_region"]
+    from tile_pass import _region
+
+    program = _region.lookup(_capture_z_loss_program(dtype))
+    T, H = 64, 32
+    split = dtype == torch.bfloat16
+    key = region_op.ProgramKernelKey(
+        program=program.key, tile=T, hidden_size=H, hidden_dtype=dtype, weight_dtype=dtype, bias_dtype=None,
+        token_inputs=(((), torch.int64),) * len(program.token_layouts), row_inputs=(),
+        tangents=tuple(i for i, out in enumerate(program.outputs) if out.differentiable), device=CUDA,
+        need_hidden=True, need_weight=True, need_bias=False, acc_dtype=torch.float32, compiled=compiled,
+        onednn=m["_tile_kernel"].onednn_gemms_apply(CUDA), weight_grad="split" if split else "float32",
+        vocab_size=program.vocab_size,
+    )  # fmt: skip
+    context = _recorded_inductor() if compiled else contextlib.nullcontext([])
+    with context as handed:
+        kernel = region_op._program_kernel(key)
+        if compiled:
+            _assert_middles_for_cuda(handed, "row program middle")
+        with _fake_mode():
+            inputs = []
+            for shape, kind in region_op._kernel_inputs(key, program):
+                if kind == torch.int64:
+                    inputs.append(torch.randint(0, program.vocab_size, shape, device=CUDA))
+                elif kind == torch.int16:
+                    inputs.append(torch.zeros(shape, dtype=kind, device=CUDA))
+                else:
+                    inputs.append(torch.randn(shape, dtype=kind, device=CUDA))
+            if split:  # the planes of a fresh sum, as the tile loop makes them
+                inputs[-2:] = m["_weight_grad"].unwritten_planes((program.vocab_size, H), CUDA)
+            result = list(kernel(*inputs))
+        assert len(result) == len(program.outputs) + 1
+        for out, value in zip(program.outputs, result, strict=False):
+            part = _region.row_part(out.layout, program.vocab_size)
+            _assert_fake_cuda(value, (T, *part), out.dtype, f"program output {out}")
+        _assert_fake_cuda(result[-1], (T, H), dtype, "hidden gradient")
+    return "ok"
+
+
+def _loop_inputs(N, H, V, dtype, bias=False, class_weights=False):
+    h = torch.randn(N, H, dtype=dtype, device=CUDA)
+    w = torch.randn(V, H, dtype=dtype, device=CUDA)
+    b = torch.randn(V, dtype=dtype, device=CUDA) if bias else None
+    y = torch.randint(0, V, (N,), device=CUDA)  # values unknown: the loop cannot skip or check labels
+    extras = [torch.rand(V, device=CUDA)] if class_weights else []
+    return h, w, b, y, extras
+
+
+def _check_tile_loops(dtype, reduction, compiled):
+    """The tile loop (the custom ops' implementations) on fake cuda inputs for each reduction, with
+    returned logits, a bias and class weights: every result on the device with its shape and
+    dtype, every token in the tiles, a short last tile padded, and no host synchronisation."""
+    _quiet()
+    _, m = _modules()
+    loss_op, tiling = m["tiled_loss"], m["_tiling"]
+    N, H, V = 300, 64, 1000
+    tile = tiling.auto_tile(128)  # tiles of 128: two whole and a short one of 44 rows
+    label_smoothing = 0.1 if reduction == "mean" else 0.0
+    context = _recorded_inductor() if compiled else contextlib.nullcontext([])
+    with context as handed, _fake_mode():
+        # the CPU-only steps decline on the device, without reading the labels (that would raise)
+        y = torch.randint(0, V, (N,), device=CUDA)
+        assert loss_op._labelled_rows(y, -100, -1) is None
+        head = m["_tile_kernel"].LossHead.from_spec(_head_spec(dtype), -100, 0.0)
+        assert loss_op._check_labels(y, V, head) is None
+        if reduction == "none":
+            h, w, b, y, extras = _loop_inputs(N, H, V, dtype, bias=True)
+            spec = _head_spec(dtype)
+            options = (spec, [], -100, 0.0, tile, compiled)
+            losses = loss_op._linear_ce_tokens._init_fn(h, w, b, y, extras, *options)
+            _assert_fake_cuda(losses, (N,), torch.float32, "per-token losses")
+            assert loss_op.last_tiles[:3] == (N, 3, 128), loss_op.last_tiles
+            grad_tokens = torch.randn(N, device=CUDA)
+            grads = loss_op._linear_ce_tokens_backward._init_fn(
+                grad_tokens, h, w, b, y, extras, *options, True, True, True
+            )
+            shapes = [((N, H), dtype), ((V, H), dtype), ((V,), dtype)]
+            for grad, (shape, kind), what in zip(grads, shapes, ("hidden", "weight", "bias"), strict=True):
+                _assert_fake_cuda(grad, shape, kind, f"{what} gradient (vector-Jacobian product)")
+        else:
+            for keep in (-1, 0):
+                class_weights = bias = reduction == "sum"
+                h, w, b, y, extras = _loop_inputs(N, H, V, dtype, bias=bias, class_weights=class_weights)
+                spec = _head_spec(dtype, class_weight=class_weights)
+                loss, grad_h, grad_w, grad_b, logits = loss_op._linear_ce_reduced._init_fn(
+                    h, w, b, y, extras, spec, [], -100, label_smoothing, reduction == "mean", tile, compiled,
+                    True, True, b is not None, keep,
+                )  # fmt: skip
+                _assert_fake_cuda(loss, (), torch.float32, "loss")
+                _assert_fake_cuda(grad_h, (N, H), dtype, "hidden gradient")
+                _assert_fake_cuda(grad_w, (V, H), dtype, "weight gradient")
+                _assert_fake_cuda(grad_b, (V,) if b is not None else (0,), dtype, "bias gradient")
+                _assert_fake_cuda(logits, (N, V) if keep >= 0 else (0,), dtype, "returned logits")
+                rows, tiles, loop_tile, schedule = loss_op.last_tiles
+                assert (rows, tiles, loop_tile) == (N, 3, 128), loss_op.last_tiles
+                assert schedule == ("split" if dtype == torch.bfloat16 else "float32"), schedule
+    if compiled:
+        _assert_middles_for_cuda(handed, "tile loop")
+    return "ok"
+
+
+def _check_tile_loop_plan(dtype):
+    """A 128k-vocabulary step (N=8192) on an 80 GiB device: the budget is capped at 4 GiB, and
+    the loop runs the tile and the weight-gradient schedule that ``_weight_grad.plan`` gives
+    (``_check_planning`` plans the benchmark's H=4096; a narrow H keeps the fake blocks few)."""
+    _quiet()
+    _, m = _modules()
+    loss_op, tiling, weight_grad = m["tiled_loss"], m["_tiling"], m["_weight_grad"]
+    N, H, V = 8192, 8, 128256
+    upcast = dtype != torch.float32
+    with _patch_cuda_memory(80 << 30):
+        largest = tiling.choose_tile_tokens(V, dtype, upcast, device="cuda", fused=True)
+    per_token = tiling.tile_bytes_per_token(V, dtype, upcast, True)
+    assert largest == (4 << 30) // per_token // 16 * 16
+    now = tiling.effective_tile(N, tiling.auto_tile(largest))
+    tile, schedule = weight_grad.plan(N, now, largest, (V, H), dtype, torch.float32, per_token, N)
+    assert schedule == ("split" if upcast else "float32")
+    with _recorded_inductor() as handed, _fake_mode():
+        h, w, _, y, _ = _loop_inputs(N, H, V, dtype)
+        out = loss_op._linear_ce_reduced._init_fn(
+            h, w, None, y, [], _head_spec(dtype), [], -100, 0.0, True, tiling.auto_tile(largest), True,
+            True, True, False, -1,
+        )  # fmt: skip
+        _assert_fake_cuda(out[0], (), torch.float32, "loss")
+        _assert_fake_cuda(out[1], (N, H), dtype, "hidden gradient")
+        _assert_fake_cuda(out[2], (V, H), dtype, "weight gradient")
+    assert loss_op.last_tiles == (N, -(-N // tile), tile, schedule), (loss_op.last_tiles, tile, schedule)
+    _assert_middles_for_cuda(handed, "128k-vocabulary step")
+    return "ok"
+
+
+def _check_traced_loops(dtype, compiled):
+    """make_fx of the loops' implementations (mean with the split sum for bfloat16, the per-token
+    forward and backward, a row region's backward) on fake cuda inputs: no op syncs with the host,
+    and no tensor is made or copied on the CPU."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    _quiet()
+    _, m = _modules()
+    loss_op, tiling = m["tiled_loss"], m["_tiling"]
+    N, H, V = 300, 64, 1000
+    tile = tiling.auto_tile(128)
+    spec = _head_spec(dtype)
+    with _fake_mode():
+        h, w, b, y, _ = _loop_inputs(N, H, V, dtype, bias=True)
+        grad_tokens = torch.randn(N, device=CUDA)
+
+    def reduced(h, w, b, y):
+        return loss_op._linear_ce_reduced._init_fn(
+            h, w, b, y, [], spec, [], -100, 0.1, True, tile, compiled, True, True, True, 0
+        )
+
+    def tokens(h, w, b, y):
+        return loss_op._linear_ce_tokens._init_fn(h, w, b, y, [], spec, [], -100, 0.0, tile, compiled)
+
+    def tokens_backward(g, h, w, b, y):
+        return loss_op._linear_ce_tokens_backward._init_fn(
+            g, h, w, b, y, [], spec, [], -100, 0.0, tile, compiled, True, True, True
+        )
+
+    context = _recorded_inductor() if compiled else contextlib.nullcontext([])
+    with context:
+        calls = [(reduced, (h, w, b, y)), (tokens, (h, w, b, y))]
+        calls.append((tokens_backward, (grad_tokens, h, w, b, y)))
+        for fn, args in calls:
+            traced = make_fx(fn, tracing_mode="fake")(*args)
+            gemm_ops = (aten.mm.default, aten.addmm.default, aten.addmm_.default)
+            gemms = [n for n in traced.graph.nodes if n.target in gemm_ops]
+            assert len(gemms) >= 3, f"{fn.__name__}: the tiles were not traced"
+            _assert_no_host_sync(traced, fn.__name__)
+    return "ok"
+
+
+def _check_vocab_parallel(dtype):
+    """A vocabulary-sharded head on a one-rank gloo group and a cuda device mesh: the DTensor front
+    door runs the sharded tile loop on fake cuda tensors (the op's fake kernel, then its
+    implementation), and a make_fx trace of it has its collectives and no host sync."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    _quiet()
+    tile_pass, m = _modules()
+    vocab_parallel = m["vocab_parallel"]
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cuda", [0])
+        N, H, V = 300, 64, 1000
+        mode = _fake_mode()
+        with mode:
+            h = torch.randn(3, 100, H, dtype=dtype, device=CUDA, requires_grad=True)
+            w = torch.randn(V, H, dtype=dtype, device=CUDA, requires_grad=True)
+            y = torch.randint(0, V, (3, 100), device=CUDA)
+            head = DTensor.from_local(w, mesh, [Shard(0)], run_check=False)
+            loss = tile_pass.linear_cross_entropy(h, head, y, label_smoothing=0.1)
+            _assert_fake_cuda(loss, (), torch.float32, "sharded loss (fake kernel)")
+            loss.backward()
+            _assert_fake_cuda(h.grad, (3, 100, H), dtype, "hidden gradient")
+            _assert_fake_cuda(w.grad, (V, H), dtype, "weight shard gradient")
+            with _implementations():
+                for reduction in ("mean", "sum"):
+                    loss = tile_pass.linear_cross_entropy(h, head, y, reduction=reduction, tile_tokens=128)
+                    _assert_fake_cuda(loss, (), torch.float32, f"sharded {reduction} loss (tile loop)")
+            group = mesh.get_group().group_name
+            flat_h, flat_y = h.detach().view(N, H), y.view(N)
+
+        def sharded(h, w, y):
+            return vocab_parallel._vocab_parallel_ce._init_fn(
+                h, w, y, group_name=group, vocab_start=0, vocab_size=V, ignore_index=-100,
+                label_smoothing=0.1, mean=True, upcast=dtype != torch.float32, tile_tokens=128,
+                compile_tiles=False, need_hidden=True, need_weight=True,
+            )  # fmt: skip
+
+        traced = make_fx(sharded, tracing_mode="fake")(flat_h, w.detach(), flat_y)
+        names = [str(n.target).replace("allreduce", "all_reduce") for n in traced.graph.nodes]
+        # 3 tiles with 4 functional all-reduces each (max, sum of exponentials, target logit, mean
+        # logit), then the in-place one of the hidden gradient
+        assert sum("_c10d_functional.all_reduce" in name for name in names) >= 3 * 4, names
+        assert sum(name.startswith("c10d.all_reduce") for name in names) == 1, names
+        _assert_no_host_sync(traced, "sharded tile loop")
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return "ok"
+
+
+# ------------------------------------------------------------------------------ the tests
+
+
+def test_the_child_differentiates_fake_cuda_tensors_and_a_host_sync_raises(child):
+    assert child.run(_check_premise, child.shim) == "ok"
+
+
+@DTYPES
+def test_tile_budget_and_plan_from_free_device_memory(child, dtype):
+    assert child.run(_check_planning, dtype) == "ok"
+
+
+@DTYPES
+@pytest.mark.parametrize("returns_logits", [False, True], ids=["loss", "loss+logits"])
+def test_cross_entropy_graph_on_cuda_is_rewritten_and_runs_its_tiles(child, dtype, returns_logits):
+    assert child.run(_check_cross_entropy_rewrite, dtype, returns_logits) == "ok"
+
+
+@DTYPES
+@pytest.mark.parametrize(
+    "form, compiled",
+    [("z_loss", False), ("z_loss", True), ("token_log_probs", False)],
+    ids=["z_loss-eager_tiles", "z_loss-compiled_tiles", "token_log_probs-eager_tiles"],
+)
+def test_row_region_on_cuda_is_rewritten_and_runs_its_tiles(child, dtype, form, compiled):
+    assert child.run(_check_row_region_rewrite, dtype, form, compiled) == "ok"
+
+
+@pytest.mark.parametrize(
+    "dtype, schedule",
+    [(torch.float32, "sum"), (torch.bfloat16, "split"), (torch.bfloat16, "direct"), (torch.bfloat16, "sum")],
+    ids=["fp32-sum", "bf16-split", "bf16-direct", "bf16-sum"],
+)
+@pytest.mark.parametrize("variant", ["plain", "bias+logits"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_tiles", "compiled_tiles"])
+def test_tile_kernel_is_traced_and_differentiated_for_cuda(child, dtype, schedule, variant, compiled):
+    assert child.run(_check_tile_kernel, dtype, schedule, variant, compiled) == "ok"
+
+
+@DTYPES
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_tiles", "compiled_tiles"])
+def test_row_program_kernel_is_traced_and_differentiated_for_cuda(child, dtype, compiled):
+    assert child.run(_check_program_kernel, dtype, compiled) == "ok"
+
+
+@DTYPES
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_tile_loops_run_on_fake_cuda(child, dtype, reduction):
+    # eager tiles; compiled ones run in the rewritten graphs, the 80 GiB step and the traced loops
+    assert child.run(_check_tile_loops, dtype, reduction, False) == "ok"
+
+
+@DTYPES
+def test_tile_loop_runs_the_plan_for_an_80_gib_device(child, dtype):
+    assert child.run(_check_tile_loop_plan, dtype) == "ok"
+
+
+@DTYPES
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_tiles", "compiled_tiles"])
+def test_traced_tile_loops_never_synchronise_with_the_host(child, dtype, compiled):
+    assert child.run(_check_traced_loops, dtype, compiled) == "ok"
+
+
+@DTYPES
+def test_vocabulary_sharded_head_on_fake_cuda(child, dtype):
+    assert child.run(_check_vocab_parallel, dtype) == "ok"
