@@ -807,7 +807,7 @@ def _rewrite_regions(
                 dtype, torch.promote_types(torch.float32, dtype),
                 tile_bytes_per_token(vocab_hint, dtype, matched.upcast, compile_tiles), tokens_hint,
             )  # fmt: skip
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         local_vocab = tensor_parallel[2] if tensor_parallel else vocab_size
         returned_val = _val(matched.returned) if matched.returned is not None else None
         handled = _rewrite(gm.graph, matched, tile, drop_logits, run_compiled_tiles, result)
@@ -904,7 +904,7 @@ def _rewrite_row_regions(
         num_tokens = region.num_tokens
         tokens_hint = optimization_hint(num_tokens, fallback=8192)
         tile_now = effective_tile(tokens_hint, tile)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         returned = [_val(o.node) for o in region.outputs if o.layout.kind == "rows"]
         kept = sum(value.numel() * value.element_size() for value in returned)
         outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
