@@ -447,7 +447,7 @@ def _check_cross_entropy_rewrite(dtype, returns_logits):
     with _recorded_inductor() as handed, _implementations(), mode:
         # the rewritten graph with its tile loop, run (and traced) on the fake device
         traced = make_fx(gm, tracing_mode="fake")(h, w, y)
-    rows, tiles, loop_tile, loop_schedule = m["tiled_loss"].last_tiles
+    rows, tiles, loop_tile, loop_schedule = m["_tiling"].last_tiles
     assert (rows, loop_tile, tiles) == (N, tile, -(-N // tile))  # every token: no skipping on a GPU
     assert loop_schedule == schedule
     out = [n.meta["val"] for n in next(n for n in traced.graph.nodes if n.op == "output").args[0]]
@@ -706,7 +706,7 @@ def _check_tile_loops(dtype, reduction, compiled):
             options = (spec, [], -100, 0.0, tile, compiled)
             losses = loss_op._linear_ce_tokens._init_fn(h, w, b, y, extras, *options)
             _assert_fake_cuda(losses, (N,), torch.float32, "per-token losses")
-            assert loss_op.last_tiles[:3] == (N, 3, 128), loss_op.last_tiles
+            assert tiling.last_tiles[:3] == (N, 3, 128), tiling.last_tiles
             grad_tokens = torch.randn(N, device=CUDA)
             grads = loss_op._linear_ce_tokens_backward._init_fn(
                 grad_tokens, h, w, b, y, extras, *options, True, True, True
@@ -728,8 +728,8 @@ def _check_tile_loops(dtype, reduction, compiled):
                 _assert_fake_cuda(grad_w, (V, H), dtype, "weight gradient")
                 _assert_fake_cuda(grad_b, (V,) if b is not None else (0,), dtype, "bias gradient")
                 _assert_fake_cuda(logits, (N, V) if keep >= 0 else (0,), dtype, "returned logits")
-                rows, tiles, loop_tile, schedule = loss_op.last_tiles
-                assert (rows, tiles, loop_tile) == (N, 3, 128), loss_op.last_tiles
+                rows, tiles, loop_tile, schedule = tiling.last_tiles
+                assert (rows, tiles, loop_tile) == (N, 3, 128), tiling.last_tiles
                 assert schedule == ("split" if dtype == torch.bfloat16 else "float32"), schedule
     if compiled:
         _assert_middles_for_cuda(handed, "tile loop")
@@ -761,7 +761,7 @@ def _check_tile_loop_plan(dtype):
         _assert_fake_cuda(out[0], (), torch.float32, "loss")
         _assert_fake_cuda(out[1], (N, H), dtype, "hidden gradient")
         _assert_fake_cuda(out[2], (V, H), dtype, "weight gradient")
-    assert loss_op.last_tiles == (N, -(-N // tile), tile, schedule), (loss_op.last_tiles, tile, schedule)
+    assert tiling.last_tiles == (N, -(-N // tile), tile, schedule), (tiling.last_tiles, tile, schedule)
     _assert_middles_for_cuda(handed, "128k-vocabulary step")
     return "ok"
 

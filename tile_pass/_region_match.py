@@ -880,6 +880,7 @@ def match_row_region(
     for position, step in enumerate(matcher.steps):
         steps_text += ["slice tokens"] * matcher.slice_steps.count(position) + [step.describe()]
     in_loss, sink = (set(reduction[0]), reduction[2]) if reduction is not None else (set(), None)
+
     def zeros(o):  # where the output is zero whatever the logits: tokens the tiles may skip
         return matcher.zeros.get(o.value) if o.layout.kind != "rows" else None
 

@@ -356,7 +356,7 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
         rewrites = info["backend"].report().rewrites
         out["fired"] = bool(rewrites)
         if rewrites:
-            ran = importlib.import_module("tile_pass.tiled_loss").last_tiles  # the plan of the labels
+            ran = importlib.import_module("tile_pass._tiling").last_tiles  # the plan of the labels
             out["tile_tokens"] = ran[2] if ran else rewrites[0].tile_tokens
             notes.append(f"tile={ran[2]}x{ran[1]} {ran[3]}" if ran else f"tile={rewrites[0].tile_tokens}")
         else:

@@ -27,7 +27,7 @@ import json
 
 import torch
 
-from tile_pass import _tile_buffers, _weight_grad
+from tile_pass import _tile_buffers, _tiling, _weight_grad
 from tile_pass._higher_order import anchors, refuse_higher_order, scaled_by_upstream
 from tile_pass._logging import log
 from tile_pass._tile_kernel import (
@@ -81,11 +81,6 @@ class _Tiles:
     need_weight: bool
     need_bias: bool
     keep_logits_after: int = -1
-
-
-#: ``(rows, tiles, tile, weight-gradient schedule)`` of the last tile loop run in this process
-#: (the plan depends on the labels, so it is known only at run time): the benchmark's note.
-last_tiles: tuple[int, int, int, str] | None = None
 
 
 def _run_tiles(
@@ -177,9 +172,8 @@ def _run_tile_loop(
     num_tokens = batch_tokens if rows is None else rows.numel()
     vocab_size = weight.shape[0]
     tile, schedule = _plan(tiles, coef.dtype, num_tokens, batch_tokens)
-    global last_tiles
-    last_tiles = (num_tokens, -(-num_tokens // tile), tile, schedule)
-    log.debug("tile loop: %d rows, %d tiles of %d, weight gradient %s", *last_tiles)
+    _tiling.last_tiles = (num_tokens, -(-num_tokens // tile), tile, schedule)
+    log.debug("tile loop: %d rows, %d tiles of %d, weight gradient %s", *_tiling.last_tiles)
     key = KernelKey(
         head=head,
         tile=tile,

@@ -29,7 +29,7 @@ import dataclasses
 
 import torch
 
-from tile_pass import _region, _tile_buffers, _weight_grad, tiled_loss
+from tile_pass import _region, _tile_buffers, _tiling, _weight_grad
 from tile_pass._higher_order import anchors, refuse_higher_order, scaled_by_upstream
 from tile_pass._region import RowProgram
 from tile_pass._tile_kernel import (
@@ -249,7 +249,7 @@ def _run_tiles(
     vocab_size = program.vocab_size
     acc = _acc_dtype(hidden)
     tile, schedule = _plan(weight, tile_tokens, num_tokens, batch, acc, compile_tiles, need_weight)
-    tiled_loss.last_tiles = (num_tokens, -(-num_tokens // tile), tile, schedule)
+    _tiling.last_tiles = (num_tokens, -(-num_tokens // tile), tile, schedule)
     key = ProgramKernelKey(
         program=program.key,
         tile=tile,
