@@ -125,5 +125,8 @@ def scaled_by_upstream(saved: Sequence[torch.Tensor], upstream: torch.Tensor, ne
     (the chain rule for a scalar loss), in their own dtypes; None where not needed."""
     refuse_higher_order()
     wanted = [g for g, n in zip(saved, need, strict=True) if n]
-    scaled = iter(_chain_rule(wanted, upstream, list(anchors)) if wanted else [])
+    if anchors and wanted:  # opaque, so the anchors stay saved (see the module docstring)
+        scaled = iter(_chain_rule(wanted, upstream, list(anchors)))
+    else:  # plain aten: a compiler may scale a saved gradient in place, in its last use
+        scaled = iter([(g * upstream).to(g.dtype) for g in wanted])
     return [next(scaled) if n else None for n in need]
