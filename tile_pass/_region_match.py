@@ -666,9 +666,11 @@ class _Matcher:
             if any(a in cone for a in node.all_input_nodes) and not _projection_like(node):
                 cone.add(node)
                 try:  # a loss-like op reading the logits, however far: this projection is a head
-                    self.head_signs |= node.target in _HEAD_SIGNS
+                    sign = node.target in _HEAD_SIGNS
                 except TypeError:  # an unhashable target
-                    pass
+                    sign = False
+                read = val(node.args[0]) if node.args else None  # over this head's vocabulary
+                self.head_signs |= sign and read is not None and same(read.shape[-1], self.vocab)
             if any(a in self.depends and a not in self.values for a in node.all_input_nodes):
                 self.outside[node] = (
                     f"{describe(node)} reads a value computed from the logits outside the region"
