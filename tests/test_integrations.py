@@ -413,6 +413,6 @@ def test_grpo_style_per_token_log_probs(variant):
     elif variant == "with_entropy":  # the entropy reads the logits a second time (issue 12's work)
         assert not rep.rewrites and len(rep.skipped) == 1, str(rep)
         assert "also consumed by" in rep.skipped[0].reason and "softmax" in rep.skipped[0].reason
-    else:  # logsumexp + gather: no cross entropy to match; the report says what TRL does
-        assert not rep.rewrites and not rep.skipped, str(rep)
-        assert "selective_log_softmax" in str(rep)
+    else:  # TRL's logsumexp loop + gather after the token slice: one row-wise region
+        assert len(rep.rewrites) == 1 and not rep.skipped, str(rep)
+        assert "slice tokens" in rep.rewrites[0].form and ".logsumexp()" in rep.rewrites[0].form, str(rep)

@@ -47,10 +47,14 @@ def refuse_higher_order() -> None:
 class _FirstOrderOnly(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value):
-        return value.view_as(value)
+        # a copy, not a view: callers scale a loss in place (Trainer's ``loss /= steps``); the
+        # guarded outputs are losses and per-token values, never [N, V] rows
+        return value.clone()
 
     @staticmethod
     def backward(ctx, grad):
+        # Glue, not a gradient formula: the identity's own derivative (the gradient passes
+        # through unchanged); it exists to refuse a create_graph request, eagerly, first.
         refuse_higher_order()
         return grad
 
