@@ -349,8 +349,9 @@ def test_trl_grpo_trainer_head_is_named(tmp_path):
         processing_class=tiny_tokenizer(),
     )
     assert fused_lm_head_modules(trainer) == ["model (LlamaForCausalLM)"]
-    with pytest.raises(TypeError, match="per-token log-probs"):
-        hand_head_to_tile_pass(trainer)
+    hand_head_to_tile_pass(trainer)  # real steps, against TRL's head: tests/test_trl_trainers.py
+    assert fused_lm_head_modules(trainer) == []
+    assert trainer.model.forward._tile_pass_backend is backend_of(trainer)  # compile_for_training's
 
 
 def test_empty_report_names_trl_when_it_is_imported():
