@@ -190,12 +190,12 @@ def _quiet():
 
 
 def _modules():
-    """tile_pass's modules, imported in the child (``tile_pass.tiled_loss`` is also a function name)."""
+    """tile_pass's modules, imported in the child ."""
     import importlib
 
     import tile_pass
 
-    names = ("_tile_kernel", "_tiling", "_weight_grad", "_split_sum_cpu", "tiled_loss", "tiled_region",
+    names = ("_tile_kernel", "_tiling", "_weight_grad", "_split_sum_cpu", "functional", "tiled_region",
              "vocab_parallel")  # fmt: skip
     return tile_pass, {name: importlib.import_module(f"tile_pass.{name}") for name in names}
 
@@ -355,7 +355,7 @@ def _implementations():
     """The custom ops' Python implementations in place of the ops, so that a rewritten graph run
     on fake tensors runs the tile loops (an op on fake tensors runs its fake kernel instead)."""
     _, m = _modules()
-    ops = [("tiled_loss", "_linear_ce_reduced"), ("tiled_loss", "_linear_ce_tokens"),
+    ops = [("functional", "_linear_ce_reduced"), ("functional", "_linear_ce_tokens"),
            ("tiled_region", "_row_region_loss"), ("tiled_region", "_row_region"),
            ("vocab_parallel", "_vocab_parallel_ce")]  # fmt: skip
     with contextlib.ExitStack() as stack:
@@ -689,7 +689,7 @@ def _check_tile_loops(dtype, reduction, compiled):
     dtype, every token in the tiles, a short last tile padded, and no host synchronisation."""
     _quiet()
     _, m = _modules()
-    loss_op, tiling = m["tiled_loss"], m["_tiling"]
+    loss_op, tiling = m["functional"], m["_tiling"]
     N, H, V = 300, 64, 1000
     tile = tiling.auto_tile(128)  # tiles of 128: two whole and a short one of 44 rows
     label_smoothing = 0.1 if reduction == "mean" else 0.0
@@ -742,7 +742,7 @@ def _check_tile_loop_plan(dtype):
     (``_check_planning`` plans the benchmark's H=4096; a narrow H keeps the fake blocks few)."""
     _quiet()
     _, m = _modules()
-    loss_op, tiling, weight_grad = m["tiled_loss"], m["_tiling"], m["_weight_grad"]
+    loss_op, tiling, weight_grad = m["functional"], m["_tiling"], m["_weight_grad"]
     N, H, V = 8192, 8, 128256
     upcast = dtype != torch.float32
     with _patch_cuda_memory(80 << 30):
@@ -774,7 +774,7 @@ def _check_traced_loops(dtype, compiled):
 
     _quiet()
     _, m = _modules()
-    loss_op, tiling = m["tiled_loss"], m["_tiling"]
+    loss_op, tiling = m["functional"], m["_tiling"]
     N, H, V = 300, 64, 1000
     tile = tiling.auto_tile(128)
     spec = _head_spec(dtype)

@@ -9,7 +9,6 @@ backend, and check every custom op's fake implementation against its real one wi
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import subprocess
@@ -25,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tile_pass
-from tile_pass import _tile_kernel
-from tile_pass.tiled_loss import _linear_ce_reduced, _linear_ce_tokens, _linear_ce_tokens_backward
+from tile_pass import _tile_kernel, _tiling
+from tile_pass.functional import _linear_ce_reduced, _linear_ce_tokens, _linear_ce_tokens_backward
 
 # ------------------------------------------------------------------ 1. double backward
 
@@ -282,11 +281,9 @@ def test_reduction_none_has_the_target_shape(device):
 # ------------------------------------------------------------ 5. explain says what runs
 
 
-def test_explain_reports_the_tile_the_backend_runs(monkeypatch):
+def test_explain_reports_the_tile_the_backend_runs():
     """N=8192, V=32000 float32: the default backend (compiled tiles) runs 1024-token tiles;
     explain used to plan eager tiles and report 336 x 25."""
-    tiled_loss = importlib.import_module("tile_pass.tiled_loss")  # the module, not the decorator
-
     n, h, v = 8192, 4, 32000
     hidden = torch.randn(n, h)
     weight = torch.randn(v, h)
@@ -301,14 +298,7 @@ def test_explain_reports_the_tile_the_backend_runs(monkeypatch):
     planned = tile_pass.default_backend()
     assert "compile_tiles=True" in repr(planned)
 
-    ran = []
-    real = tiled_loss._run_tile_loop
-
-    def spy(tiles, hidden, *args, **kwargs):
-        ran.append(tiled_loss.effective_tile(hidden.shape[0], tiles.tile_tokens))
-        return real(tiles, hidden, *args, **kwargs)
-
-    monkeypatch.setattr(tiled_loss, "_run_tile_loop", spy)
+    _tiling.last_tiles = None
     # the default backend's plan run with its inner compiler swapped for eager (the tiles
     # themselves are compiled by Inductor, as under backend="tile_pass")
     runner = tile_pass.backend("eager", compile_tiles=True)
@@ -316,7 +306,8 @@ def test_explain_reports_the_tile_the_backend_runs(monkeypatch):
     torch.compile(head, backend=runner)(hidden, weight, target)
     # 128 MiB of [tile, V] buffers: one per token before torch 2.13's in-place gradient, else two
     expected = 1024 if _tile_kernel.STORE_GRAD_OVER_LOGITS else 512
-    assert ran == [rewrite.tile_tokens] == [expected]
+    tokens, tiles, tile, _schedule = _tiling.last_tiles  # what the tile loop ran
+    assert (tokens, tile) == (n, rewrite.tile_tokens) == (n, expected) and tiles == rewrite.num_tiles
     assert rewrite.num_tiles == n // expected
     assert runner.report().rewrites[0].tile_tokens == rewrite.tile_tokens
 

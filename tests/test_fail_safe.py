@@ -1,7 +1,7 @@
 """The pass never ends a training run: an internal error leaves the graph as Dynamo gave it.
 
-Each phase of the rewrite (matching, planning, rewriting, for the cross-entropy chain and for a
-row-wise region, and the inner compile of the rewritten graph) gets an injected failure; the
+Each phase of the rewrite (matching, planning, rewriting, for a plain cross entropy and for a
+z-loss, and the inner compile of the rewritten graph) gets an injected failure; the
 step must then run untiled with eager's numbers, log one WARNING and report the region as
 skipped with "internal error". ``strict=True`` (``TILE_PASS_STRICT=1``, which the project's own
 tests set) raises instead.
@@ -16,16 +16,16 @@ import torch
 import torch.nn.functional as F
 
 import tile_pass
-from tile_pass import _region_match, _settings, matching
+from tile_pass import _region_match, _settings, rewrite
 
 N, H, V = 12, 8, 40
 
 
-def chain_loss(h, w, y):
+def cross_entropy_loss(h, w, y):
     return F.cross_entropy(F.linear(h, w), y)
 
 
-def z_loss(h, w, y):  # read twice: a row-wise region, not the chain
+def z_loss(h, w, y):  # the logits read twice
     logits = F.linear(h, w)
     return F.cross_entropy(logits, y) + 1e-2 * logits.logsumexp(-1).pow(2).mean()
 
@@ -49,12 +49,12 @@ def _after(real):
 
 
 PHASES = {
-    "chain matching": (chain_loss, matching, "match_region", lambda real: _raise),
-    "chain planning": (chain_loss, matching, "choose_tile_tokens", lambda real: _raise),
-    "chain rewriting": (chain_loss, matching, "_rewrite", _after),
-    "region matching": (z_loss, _region_match, "match_row_region", lambda real: _raise),
-    "region planning": (z_loss, matching, "choose_tile_tokens", lambda real: _raise),
-    "region rewriting": (z_loss, _region_match, "rewrite_row_region", _after),
+    "cross entropy matching": (cross_entropy_loss, _region_match, "match_row_region", lambda real: _raise),
+    "cross entropy planning": (cross_entropy_loss, rewrite, "choose_tile_tokens", lambda real: _raise),
+    "cross entropy rewriting": (cross_entropy_loss, _region_match, "rewrite_row_region", _after),
+    "z-loss matching": (z_loss, _region_match, "match_row_region", lambda real: _raise),
+    "z-loss planning": (z_loss, rewrite, "choose_tile_tokens", lambda real: _raise),
+    "z-loss rewriting": (z_loss, _region_match, "rewrite_row_region", _after),
 }
 
 
@@ -109,7 +109,7 @@ def test_an_injected_failure_leaves_the_step_running_with_eagers_numbers(
     assert "test_fail_safe.py" in warnings_of_the_pass[0].getMessage()  # the region's lines
 
 
-@pytest.mark.parametrize("phase", ["chain rewriting", "region matching"])
+@pytest.mark.parametrize("phase", ["cross entropy rewriting", "z-loss matching"])
 def test_strict_raises_the_internal_error(phase, monkeypatch):
     fn, module, name, make = PHASES[phase]
     monkeypatch.setattr(module, name, make(getattr(module, name)))
@@ -136,7 +136,7 @@ def test_a_rewritten_graph_the_inner_compiler_rejects_is_compiled_as_dynamo_gave
     seen = []
 
     def picky(gm, example_inputs):
-        rewritten = any(matching.is_region_node(n) for n in gm.graph.nodes)
+        rewritten = any(rewrite.is_region_node(n) for n in gm.graph.nodes)
         seen.append(rewritten)
         if rewritten:
             raise Injected("this compiler rejects tile_pass ops")
@@ -144,9 +144,9 @@ def test_a_rewritten_graph_the_inner_compiler_rejects_is_compiled_as_dynamo_gave
 
     backend = tile_pass.backend(picky, tile_tokens=4, strict=False)
     h, w, y = _inputs()
-    loss = torch.compile(chain_loss, backend=backend)(h, w, y)
+    loss = torch.compile(cross_entropy_loss, backend=backend)(h, w, y)
     h0, w0, _ = _inputs()
-    torch.testing.assert_close(loss, chain_loss(h0, w0, y))
+    torch.testing.assert_close(loss, cross_entropy_loss(h0, w0, y))
     assert seen == [True, False]
     assert not backend.report().rewrites
     assert "internal error" in backend.report().skipped[-1].reason

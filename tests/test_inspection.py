@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from models import V
 
 import tile_pass
-from tile_pass.tiled_loss import _linear_ce_reduced, _reduced_setup_context, _reduced_vjp
+from tile_pass.tiled_region import _loss_setup_context, _loss_vjp, _row_region_loss
 
 
 def _inputs(seed=0):
@@ -61,7 +61,7 @@ def test_dump_dir_has_before_and_after_code(tmp_path):
     before = (tmp_path / "graph_0_before.py").read_text()
     after = (tmp_path / "graph_0_after.py").read_text()
     assert "torch._C._nn.linear" in before and "cross_entropy" in before
-    assert "tiled_region_loss" in after and "torch._C._nn.linear" not in after
+    assert "run_region" in after and "torch._C._nn.linear" not in after
     assert "# File:" in after and "models.py" in after  # the user's source line beside each node
     report = json.loads((tmp_path / "graph_0_report.json").read_text())
     assert len(report["rewrites"]) == 1
@@ -175,14 +175,14 @@ def wrong_weight_gradient():
     """Test-only fault injection: the seed bug of this field (weight gradient 1.375x off)."""
 
     def faulty_vjp(ctx, *grads):
-        out = list(_reduced_vjp(ctx, *grads))
+        out = list(_loss_vjp(ctx, *grads))
         if out[1] is not None:
             out[1] = out[1] * 1.375
         return tuple(out)
 
-    _linear_ce_reduced.register_autograd(faulty_vjp, setup_context=_reduced_setup_context)
+    _row_region_loss.register_autograd(faulty_vjp, setup_context=_loss_setup_context)
     yield
-    _linear_ce_reduced.register_autograd(_reduced_vjp, setup_context=_reduced_setup_context)
+    _row_region_loss.register_autograd(_loss_vjp, setup_context=_loss_setup_context)
 
 
 def test_validate_passes_on_a_correct_rewrite():

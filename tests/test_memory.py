@@ -67,7 +67,7 @@ def test_no_host_sync_in_rewritten_graph():
     )
     syncing = {"aten.item", "aten._local_scalar_dense", "aten.nonzero", "aten.masked_select"}
     targets = {str(n.target).rsplit(".", 1)[0] for gm in graphs for n in gm.graph.nodes}
-    assert "tile_pass.linear_ce_reduced" in targets
+    assert "tile_pass.row_region_loss" in targets
     assert not targets & syncing
 
 
@@ -95,11 +95,11 @@ def test_frozen_weight_gets_no_gradient_work():
         n
         for gm in graphs
         for n in gm.graph.nodes
-        if n.target is torch.ops.tile_pass.linear_ce_reduced.default
+        if n.target is torch.ops.tile_pass.row_region_loss.default
     ]
     assert len(calls) == 1
-    schema = torch.ops.tile_pass.linear_ce_reduced.default._schema
-    args = dict(zip([a.name for a in schema.arguments], calls[0].args, strict=False))
+    schema = torch.ops.tile_pass.row_region_loss.default._schema
+    args = {**dict(zip([a.name for a in schema.arguments], calls[0].args, strict=False)), **calls[0].kwargs}
     assert (args["need_hidden"], args["need_weight"], args["need_bias"]) == (True, False, False)
 
 

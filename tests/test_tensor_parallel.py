@@ -246,7 +246,6 @@ def test_torchtitan_loss_parallel_step_is_rewritten_and_exact(tmp_path):
         result = torch.load(tmp_path / f"titan{rank}.pt")
         rewrites = result["report"]["rewrites"]
         assert len(rewrites) == 1 and "tensor-parallel: degree 2" in rewrites[0]["form"], result["report"]
-        assert "redistribute (no-op)" in rewrites[0]["form"]
         torch.testing.assert_close(result["loss"].double(), loss.detach(), rtol=2e-6, atol=0)
         for name, param in reference.named_parameters():
             torch.testing.assert_close(result["grads"][name].double(), param.grad, rtol=1e-5, atol=1e-7,

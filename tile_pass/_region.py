@@ -58,12 +58,42 @@ class Step:
     source: str = "?"  # the user's line, for reports
 
     def describe(self) -> str:
+        """The step as the report shows it: its name, the numbers it applies (a soft-cap's
+        ``div(30.0)``) and a loss's options, never its token operands."""
         name = (
             self.target
             if isinstance(self.target, str)
             else getattr(self.target, "__name__", str(self.target))
         )
-        return f".{name}()" if self.op == "call_method" else name
+        name = _SHOWN_AS.get(name, name)
+        if name in _LOSS_NAMES:
+            options = dict(self.kwargs)
+            shown = [f"ignore_index={options['ignore_index']}"] if "ignore_index" in options else []
+            if options.get("label_smoothing"):
+                shown.append(f"label_smoothing={options['label_smoothing']}")
+            if "weight" in options:
+                shown.append("class weights")
+            if name != "kl_div" and isinstance(self.args[1], Ref) and self.args[1].kind == "row":
+                shown.append("class probabilities")
+            return f"{name}({', '.join(shown)})"
+        numbers = [repr(a) for a in self.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        if name in _VIEWS or not numbers:
+            return f".{name}()" if self.op == "call_method" else name
+        return f"{name}({', '.join(numbers)})"
+
+
+#: how the report names an op whatever way the user's code spelled it
+_SHOWN_AS = {
+    "truediv": "div", "true_divide": "div", "__truediv__": "div", "__mul__": "mul", "__rmul__": "mul",
+    "__add__": "add", "__radd__": "add", "__sub__": "sub", "__rsub__": "rsub", "__neg__": "neg",
+    "__pow__": "pow", "__rtruediv__": "rdiv",
+}  # fmt: skip
+_LOSS_NAMES = frozenset({"cross_entropy", "nll_loss", "kl_div"})
+#: steps whose numbers are dimensions, not values applied to the logits
+_VIEWS = frozenset({
+    "reshape", "view", "flatten", "contiguous", "squeeze", "unsqueeze", "sum", "mean", "logsumexp", "amax",
+    "amin", "argmax", "argmin", "max", "min", "softmax", "log_softmax", "gather",
+})  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from tile_pass import _region, _rules
 from tile_pass._fx import as_linear, leading_index, same, val
 from tile_pass._region import Output, ReductionProgram, Ref, RowProgram, Step
+from tile_pass._returned_logits import ReturnedLogits
 from tile_pass._rules import Classified, Layout, NoMatch, describe
 from tile_pass.report import source_line
 
@@ -90,6 +91,7 @@ class RowRegion:
     reduce_inputs: list[torch.fx.Node] = field(default_factory=list)
     steps_text: list[str] = field(default_factory=list)
     dropped: list[torch.fx.Node] = field(default_factory=list)  # returned rows replaced by a placeholder
+    kept_whole: list[torch.fx.Node] = field(default_factory=list)  # returned rows before a token slice
     slices: list[tuple] = field(default_factory=list)  # token selections applied to the hidden states
     num_tokens: object = 0  # the tokens the tiles run (after the slices)
 
@@ -171,7 +173,7 @@ def _after_tiles(flat: torch.Tensor, how: str, hidden: torch.Tensor, flat_tokens
 def _per_token(x: torch.Tensor, hidden: torch.Tensor, flat_tokens: bool, part_dims: int) -> torch.Tensor:
     """A per-token operand as the tiles take it: ``[N, *part]``, broadcast token dims expanded."""
     part = tuple(x.shape[x.dim() - part_dims :]) if part_dims else ()
-    tokens = (hidden.shape[:-1].numel(),) if flat_tokens else tuple(hidden.shape[:-1])
+    tokens = (_numel(hidden.shape[:-1]),) if flat_tokens else tuple(hidden.shape[:-1])
     return x.expand(*tokens, *part).reshape(-1, *part)
 
 
@@ -231,9 +233,17 @@ def _vocab_shard(hidden, weight, out) -> tuple[str, int, int]:
 
 
 def _no_op_redistribute(node: torch.fx.Node) -> bool:
-    from tile_pass.matching import _no_op_redistribute as same_placement
-
-    return bool(node.args) and isinstance(node.args[0], torch.fx.Node) and same_placement(node, node.args[0])
+    """``x.redistribute(...)`` of a DTensor that keeps its mesh and placements (ColwiseParallel's
+    output hook with ``Shard(-1)`` kept)."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    if node.op not in ("call_method", "call_function") or name not in ("redistribute", "prim_redistribute"):
+        return False  # torch 2.11's Dynamo records the call as the function ``prim_redistribute``
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    out, inp = val(node), val(node.args[0])
+    placements = [getattr(v, "placements", None) for v in (out, inp)]
+    meshes = [getattr(v, "device_mesh", None) for v in (out, inp)]
+    return placements[0] is not None and placements[0] == placements[1] and meshes[0] == meshes[1]
 
 
 #: the steps over the vocabulary a sharded region must replace by their group-wide form
@@ -336,6 +346,8 @@ class _Matcher:
         self.outside: dict[torch.fx.Node, str] = {}  # node that depends on the logits -> why not row-wise
         self.head_signs = False
         self.dropped: list[torch.fx.Node] = []  # returned rows not computed (drop_logits=True)
+        #: rows before a token slice that the graph returns: left to the graph, computed whole
+        self.kept_whole: list[torch.fx.Node] = []
         self.zeros: dict[int, tuple] = {}  # per value: where it is zero (_region.zero_where)
         self.slices: list[tuple] = []  # token selections moved onto the hidden states, in order
         self.slice_steps: list[int] = []
@@ -721,9 +733,12 @@ class _Matcher:
             if layout.kind == "tuple":
                 raise NoMatch(f"{describe(node)} is used whole; take its values and indices apart first")
             if layout.kind == "rows":
-                if node in self.pre_slice:  # before the token slice: only the last slice, or dropped
-                    if self.drop_rows and all(u.op == "output" for u in users) and len(self.slices) == 1:
-                        self.dropped.append(node)
+                if node in self.pre_slice:  # before the token slice: returned whole, or dropped
+                    if all(u.op == "output" for u in users):
+                        if self.drop_rows and len(self.slices) == 1:
+                            self.dropped.append(node)
+                        else:  # the graph keeps computing them; the tiles run the sliced rows
+                            self.kept_whole.append(node)
                         continue
                     raise NoMatch(
                         f"{describe(self.slice_nodes[0])} slices the logits' token rows while "
@@ -933,6 +948,7 @@ def match_row_region(
         steps_text=steps_text,
     )  # fmt: skip
     region.dropped = matcher.dropped
+    region.kept_whole = matcher.kept_whole
     region.slices = matcher.slices
     region.num_tokens = matcher.num_tokens
     if reduction is not None:
@@ -981,7 +997,6 @@ def rewrite_row_region(
 ) -> str:
     """Replace the region by one call of :func:`tile_pass.tiled_region.run_region`; returns how
     returned rows were handled. Raises ``NoMatch`` before changing anything."""
-    from tile_pass.matching import ReturnedLogits
     from tile_pass.tiled_region import run_region
 
     members = set(region.nodes) | set(region.reduction_nodes)
@@ -1044,6 +1059,11 @@ def rewrite_row_region(
             region.sink.replace_all_uses_with(loss)
 
     handled = "not returned"
+    if region.kept_whole:
+        handled = (
+            "returned whole, as the graph computes them; the loss tiles the sliced hidden states, so "
+            "no float32 copy of the logits and no gradient over them is formed for it"
+        )
     output = next(n for n in graph.nodes if n.op == "output")
     outputs = list(output.args[0])
     returned = [o for o in region.outputs if o.layout.kind == "rows"]
@@ -1076,7 +1096,14 @@ def rewrite_row_region(
                 "its gradient is computed only if the caller uses it"
             )
         output.args = ((*outputs, *extras),)
-    for node in sorted(members, key=order.__getitem__, reverse=True):
+    kept: set[torch.fx.Node] = set()  # the returned rows before a slice, and what they are computed from
+    stack = list(region.kept_whole)
+    while stack:
+        node = stack.pop()
+        if node in members and node not in kept:
+            kept.add(node)
+            stack.extend(node.all_input_nodes)
+    for node in sorted(members - kept, key=order.__getitem__, reverse=True):
         if node.users:
             raise RuntimeError(f"tile_pass: internal error, {describe(node)} is still read after the rewrite")
         graph.erase_node(node)

@@ -14,9 +14,21 @@ placeholder of the right shape and dtype stands in, so any use of it is visibly 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from tile_pass.matching import ReturnedLogits
+
+@dataclass
+class ReturnedLogits:
+    """How to rebuild a graph output that the rewrite detached or dropped (see backend)."""
+
+    output_index: int
+    extra_outputs: list[int]  # positions in the extra outputs: hidden, weight, bias, operands
+    prefix: torch.fx.GraphModule | None  # (hidden, weight, bias?, *operands) -> logits; exact
+    vocab_size: int | None = None  # dropped: placeholder shape [*hidden.shape[:-1], V]
+    dtype: torch.dtype | None = None
+    has_bias: bool = False
 
 
 class _LogitsGrad(torch.autograd.Function):

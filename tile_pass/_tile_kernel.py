@@ -37,15 +37,10 @@ from torch.fx.passes.split_module import split_module
 from tile_pass import _settings, _split_sum_cpu, _tile_buffers, _weight_grad
 from tile_pass._logging import log
 from tile_pass._simplify import simplify, split_label_column
+from tile_pass._tiling import STORE_GRAD_OVER_LOGITS
 
 aten = torch.ops.aten
 
-#: Whether compiled tiles store the logits gradient over the logits tile. Inductor before
-#: 2.13 miscompiles that in-place store on CPU: it schedules the target-logit gather after
-#: the store (wrong losses), or fails with ``KeyError: 'bufN'`` in outer-loop fusion. There
-#: the gradient gets its own buffer: exact, one more ``[tile, V]`` buffer per tile (the byte
-#: model in :mod:`tile_pass._tiling` counts it).
-STORE_GRAD_OVER_LOGITS = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 def _apply_op(x: torch.Tensor, op: tuple, extras: list[torch.Tensor], constants: tuple[float, ...]):

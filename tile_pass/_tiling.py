@@ -28,7 +28,12 @@ from __future__ import annotations
 
 import torch
 
-from tile_pass._tile_kernel import STORE_GRAD_OVER_LOGITS
+#: Whether compiled tiles store the logits gradient over the logits tile. Inductor before
+#: 2.13 miscompiles that in-place store on CPU: it schedules the target-logit gather after
+#: the store (wrong losses), or fails with ``KeyError: 'bufN'`` in outer-loop fusion. There
+#: the gradient gets its own buffer: exact, one more ``[tile, V]`` buffer per tile (the byte
+#: model in :mod:`tile_pass._tiling` counts it).
+STORE_GRAD_OVER_LOGITS = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
 
 #: Default budget for the per-tile buffers on CPU. Cache-sized tiles do not help here: the
 #: step is GEMM-bound and a GEMM of a few hundred rows streams the whole ``[V, H]`` weight

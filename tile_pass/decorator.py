@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tile_pass.backend import Backend, CompilerFn
+from tile_pass.dynamo_backend import Backend, CompilerFn
 
 
 class TiledLossNotApplied(RuntimeError):

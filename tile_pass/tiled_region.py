@@ -1,6 +1,6 @@
 """A region's row-wise program, run tile by tile, with its gradient derived.
 
-The general form of :mod:`tile_pass.tiled_loss`: the tile function is the user's own
+The general form of :func:`tile_pass.linear_cross_entropy`: the tile function is the user's own
 row-wise subgraph (a :class:`~tile_pass._region.RowProgram`), with several per-token
 outputs (losses, log-probabilities, log-sum-exps, entropies, ``argmax``), and rows
 returned to the caller. One pass over the tiles computes every output: one logits GEMM per
@@ -31,6 +31,7 @@ import torch
 
 from tile_pass import _region, _tile_buffers, _tiling, _weight_grad
 from tile_pass._higher_order import anchors, refuse_higher_order, scaled_by_upstream
+from tile_pass._op_results import acc_dtype, fake_grads, grads_or_empty, last_add_if
 from tile_pass._region import RowProgram
 from tile_pass._tile_kernel import (
     differentiable,
@@ -41,12 +42,6 @@ from tile_pass._tile_kernel import (
     traced_once,
 )
 from tile_pass._tiling import effective_tile, tile_bytes_per_token
-from tile_pass.tiled_loss import (
-    _acc_dtype,
-    _fake_grads,
-    _grads_or_empty,
-    _last_add_if,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +242,7 @@ def _run_tiles(
     batch, hidden_size = hidden.shape
     num_tokens = batch if rows is None else rows.numel()
     vocab_size = program.vocab_size
-    acc = _acc_dtype(hidden)
+    acc = acc_dtype(hidden)
     tile, schedule = _plan(weight, tile_tokens, num_tokens, batch, acc, compile_tiles, need_weight)
     _tiling.last_tiles = (num_tokens, -(-num_tokens // tile), tile, schedule)
     key = ProgramKernelKey(
@@ -304,7 +299,7 @@ def _run_tiles(
         args += [tile_of(tangents[i], zeros=True) for i in key.tangents]
         args += [*weight_acc] if split else [weight_acc] if weight_acc is not None and not direct else []
         args += [bias_acc] if bias_acc is not None else []
-        with _last_add_if(split and stop == num_tokens, weight_acc):
+        with last_add_if(split and stop == num_tokens, weight_acc):
             result = list(kernel(*args))
         if direct:
             weight_acc = result.pop()
@@ -406,7 +401,7 @@ def _row_region_loss(
     )  # fmt: skip
     with _region.dispatch_as_caller():
         loss = _region.run_reduction(region.reduction, outputs, reduce_inputs, hidden.device.type)
-    return [loss, *_grads_or_empty(hidden, weight, bias, *grads), *outputs]
+    return [loss, *grads_or_empty(hidden, weight, bias, *grads), *outputs]
 
 
 @_row_region_loss.register_fake
@@ -414,7 +409,7 @@ def _(hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, *, program,
       need_hidden, need_weight, need_bias):  # fmt: skip
     region = _region.lookup(program)
     loss = hidden.new_empty((), dtype=region.reduction.dtype)
-    return [loss, *_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias),
+    return [loss, *fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias),
             *_fake_outputs(region, hidden)]  # fmt: skip
 
 
@@ -493,13 +488,13 @@ def _row_region_backward(
         region, hidden, weight, bias, token_inputs, row_inputs, tangents, tile_tokens, compile_tiles,
         (need_hidden, need_weight, need_bias), keep_outputs=False, rows=rows,
     )  # fmt: skip
-    return list(_grads_or_empty(hidden, weight, bias, *grads))
+    return list(grads_or_empty(hidden, weight, bias, *grads))
 
 
 @_row_region_backward.register_fake
 def _(tangents, hidden, weight, bias, token_inputs, row_inputs, *, program, tile_tokens, compile_tiles,
       need_hidden, need_weight, need_bias):  # fmt: skip
-    return list(_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias))
+    return list(fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias))
 
 
 def _region_setup_context(ctx, inputs, keyword_only_inputs, output):

@@ -31,7 +31,7 @@ import torch
 import transformers
 
 import tile_pass
-from tile_pass.backend import Backend
+from tile_pass.dynamo_backend import Backend
 from tile_pass.integrations import trl as _trl
 from tile_pass.integrations._forward import forward_chain, model_of
 from tile_pass.report import Report

@@ -331,7 +331,7 @@ def _entropy_needs_grad(trainer) -> bool:
 
 def _resolve_backend(trainer, inner, backend_options):
     import tile_pass
-    from tile_pass.backend import Backend
+    from tile_pass.dynamo_backend import Backend
     from tile_pass.integrations.transformers import backend_of
 
     found = backend_of(trainer)

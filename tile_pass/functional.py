@@ -20,7 +20,6 @@ The count of valid tokens is a tensor, so nothing in here synchronises with the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -30,6 +29,7 @@ import torch
 from tile_pass import _tile_buffers, _tiling, _weight_grad
 from tile_pass._higher_order import anchors, refuse_higher_order, scaled_by_upstream
 from tile_pass._logging import log
+from tile_pass._op_results import acc_dtype, empty, fake_grads, grads_or_empty, last_add_if
 from tile_pass._tile_kernel import (
     KernelKey,
     LossHead,
@@ -60,11 +60,6 @@ def _loss_dtype_cached(
 def _loss_dtype(hidden: torch.Tensor, head_spec: str, extras) -> torch.dtype:
     """The dtype the logits reach the loss in (so the loss's dtype), as eager would have it."""
     return _loss_dtype_cached(head_spec, hidden.dtype, tuple((e.dtype, e.dim()) for e in extras))
-
-
-def _acc_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """Sums are float32 (float64 for float64 inputs, so a float64 oracle check is exact)."""
-    return torch.promote_types(torch.float32, hidden.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +223,7 @@ def _run_tile_loop(
             )  # fmt: skip
             y_t = torch.cat([y_t, padding])
             c_t = torch.cat([c_t, c_t.new_zeros(size - count)])
-        with _last_add_if(schedule == "split" and stop == num_tokens, weight_acc):
+        with last_add_if(schedule == "split" and stop == num_tokens, weight_acc):
             losses, grad_h_t, logits_t, grad_w_t = kernel(
                 h_t, weight, bias, y_t, extras, c_t, weight_acc, bias_acc
             )
@@ -248,33 +243,6 @@ def _run_tile_loop(
     if schedule == "split":  # rounded once into the weight dtype, over the high plane
         weight_acc = finish_split(*_weight_grad.settle(*weight_acc), weight.dtype, compile_tiles)
     return total, grad_hidden, weight_acc, bias_acc
-
-
-def _last_add_if(last: bool, weight_acc):
-    """Inside the last tile of a split sum, its add rounds the sum (:func:`_weight_grad.last_add`)."""
-    return _weight_grad.last_add(weight_acc[0]) if last else contextlib.nullcontext()
-
-
-def _empty(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty((0,))
-
-
-def _grads_or_empty(hidden, weight, bias, grad_h, grad_w, grad_b):
-    return (
-        grad_h if grad_h is not None else _empty(hidden),
-        grad_w.to(weight.dtype) if grad_w is not None else _empty(weight),
-        grad_b.to(bias.dtype) if grad_b is not None else _empty(weight),
-    )
-
-
-def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
-    """What the real implementations return: contiguous gradients, whatever the inputs' layout
-    (a transposed weight's gradient is the contiguous ``[V, H]`` sum, as the tiles form it)."""
-    return (
-        hidden.new_empty(hidden.shape) if need_hidden else _empty(hidden),
-        weight.new_empty(weight.shape) if need_weight else _empty(weight),
-        bias.new_empty(bias.shape) if need_bias else _empty(weight),
-    )
 
 
 def _check_labels(target: torch.Tensor, vocab_size: int, head: LossHead) -> None:
@@ -332,14 +300,14 @@ def _linear_ce_reduced(
     head = LossHead.from_spec(head_spec, ignore_index, label_smoothing, tuple(constants))
     _check_labels(target, weight.shape[0], head)  # forward only: the backward re-runs checked labels
     logits_out = _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after)
-    coef, count = _token_weights(head, target, extras, _acc_dtype(hidden), mean)
+    coef, count = _token_weights(head, target, extras, acc_dtype(hidden), mean)
     total, *grads = _run_tiles(
         hidden, weight, bias, target, extras, coef, head, tile_tokens, compile_tiles,
         need_hidden, need_weight, need_bias, None, logits_out, keep_logits_after,
     )  # fmt: skip
     loss = total / count if mean else total
     loss = loss.to(_loss_dtype(hidden, head_spec, extras))
-    return (loss, *_grads_or_empty(hidden, weight, bias, *grads), logits_out)
+    return (loss, *grads_or_empty(hidden, weight, bias, *grads), logits_out)
 
 
 @_linear_ce_reduced.register_fake
@@ -347,7 +315,7 @@ def _(hidden, weight, bias, target, extras, head_spec, constants, ignore_index, 
       tile_tokens, compile_tiles, need_hidden, need_weight, need_bias, keep_logits_after):  # fmt: skip
     loss = hidden.new_empty((), dtype=_loss_dtype(hidden, head_spec, extras))
     logits = _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after)
-    return (loss, *_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias), logits)
+    return (loss, *fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias), logits)
 
 
 def _token_weights(
@@ -378,7 +346,7 @@ def _token_weights(
 def _logits_buffer(hidden, weight, head_spec, extras, keep_logits_after: int) -> torch.Tensor:
     """Where the tiles write the logits a graph also returns (empty when it does not)."""
     if keep_logits_after < 0:
-        return _empty(hidden)
+        return empty(hidden)
     ops = LossHead.parse_ops(head_spec)[:keep_logits_after]
     dtype = _loss_dtype_cached(json.dumps(ops), hidden.dtype, tuple((e.dtype, e.dim()) for e in extras))
     return _tile_buffers.empty((hidden.shape[0], weight.shape[0]), dtype, hidden.device)
@@ -425,7 +393,7 @@ def _linear_ce_tokens(
     head = LossHead.from_spec(head_spec, ignore_index, label_smoothing, tuple(constants))
     _check_labels(target, weight.shape[0], head)
     out = hidden.new_empty((hidden.shape[0],), dtype=_loss_dtype(hidden, head_spec, extras))
-    coef = hidden.new_zeros((hidden.shape[0],), dtype=_acc_dtype(hidden))
+    coef = hidden.new_zeros((hidden.shape[0],), dtype=acc_dtype(hidden))
     _run_tiles(
         hidden, weight, bias, target, extras, coef, head, tile_tokens, compile_tiles, False, False, False, out
     )
@@ -460,16 +428,16 @@ def _linear_ce_tokens_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     head = LossHead.from_spec(head_spec, ignore_index, label_smoothing, tuple(constants))
     _, *grads = _run_tiles(
-        hidden, weight, bias, target, extras, grad_tokens.to(_acc_dtype(hidden)), head, tile_tokens,
+        hidden, weight, bias, target, extras, grad_tokens.to(acc_dtype(hidden)), head, tile_tokens,
         compile_tiles, need_hidden, need_weight, need_bias,
     )  # fmt: skip
-    return _grads_or_empty(hidden, weight, bias, *grads)
+    return grads_or_empty(hidden, weight, bias, *grads)
 
 
 @_linear_ce_tokens_backward.register_fake
 def _(grad_tokens, hidden, weight, bias, target, extras, head_spec, constants, ignore_index, label_smoothing,
       tile_tokens, compile_tiles, need_hidden, need_weight, need_bias):  # fmt: skip
-    return _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
+    return fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def _tokens_setup_context(ctx, inputs, output):

@@ -13,10 +13,10 @@ import torch.fx
 from tile_pass import _dump, _settings
 from tile_pass._higher_order import guard_outputs, outputs_guarded, region_outputs
 from tile_pass._logging import log
+from tile_pass._oracle import validating_call
 from tile_pass._returned_logits import rebuild_outputs
-from tile_pass.matching import internal_error, is_region_node, rewrite_graph
 from tile_pass.report import GraphReport, Report
-from tile_pass.validation import validating_call
+from tile_pass.rewrite import internal_error, is_region_node, rewrite_graph
 
 CompilerFn = Callable[[torch.fx.GraphModule, Sequence[Any]], Callable]
 _INNER_NAMES = ("inductor", "aot_eager", "eager")

@@ -1,0 +1,344 @@
+"""Rewrite every LM-head region of a Dynamo graph into one tiled op, and report each one.
+
+The graph is Dynamo's torch-level FX graph; every node carries ``meta["example_value"]``
+(a fake tensor, possibly with symbolic sizes), which is how a match is proven exact. Each
+LM-head projection is handed to the region matcher (:mod:`tile_pass._region_match`), which
+builds the row-wise program of everything that reads its logits: the textbook
+``F.cross_entropy`` is one such program among z-losses, entropies, log-probs and KL terms.
+A loss that no region took is reported with the first op between it and its LM head that
+stops a region, or with why it has no head in this graph.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+try:  # torch >= 2.13
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch 2.11/2.12: the same unguarded hint, under its older name
+    from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
+
+from tile_pass import _region_match, _rules, _weight_grad
+from tile_pass._fold_loops import fold_row_loops
+from tile_pass._fx import as_linear, val
+from tile_pass._logging import log
+from tile_pass._returned_logits import ReturnedLogits
+from tile_pass._rules import NoMatch, bind, describe
+from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
+from tile_pass.report import GraphReport, Rewrite, Skip, source_line
+
+_LOSS_SIGNATURES = {
+    F.cross_entropy: inspect.signature(F.cross_entropy),
+    F.nll_loss: inspect.signature(F.nll_loss),
+}
+
+
+@dataclass
+class GraphRewrite:
+    """The result of rewriting one graph: the report, and outputs the backend must rebuild."""
+
+    report: GraphReport
+    num_outputs: int = 0
+    returned_logits: list[ReturnedLogits] = field(default_factory=list)
+    #: the graph as Dynamo gave it, to fall back on if the rewritten one does not compile
+    original_graph: torch.fx.Graph | None = None
+
+
+def _tensor_parallel_text(tensor_parallel: tuple[int, int, int] | None) -> str:
+    if tensor_parallel is None:
+        return ""
+    degree, start, rows = tensor_parallel
+    last = start + rows - 1
+    return f" [tensor-parallel: degree {degree}, this rank's vocabulary rows {start}..{last}; bytes per rank]"
+
+
+def _is_loss(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (F.cross_entropy, F.nll_loss)
+
+
+def rewrite_graph(
+    gm: torch.fx.GraphModule,
+    *,
+    graph_index: int = 0,
+    tile_tokens: int | None = None,
+    tile_bytes: int | None = None,
+    drop_logits: bool = False,
+    compile_tiles: bool = False,
+    run_compiled_tiles: bool | None = None,
+    strict: bool = False,
+) -> GraphRewrite:
+    """Rewrite every exactly-matched region of ``gm`` in place; report every candidate.
+
+    ``compile_tiles`` is the plan (tile sizes follow its byte model, the report says it);
+    ``run_compiled_tiles`` (default: the same) is what the rewritten graph runs, which
+    ``explain`` sets to False to stay quick without changing the plan it reports.
+
+    The pass is only an optimisation, so it must never be why a training run dies: an error
+    other than a deliberate no-match, raised while matching, planning or rewriting a region,
+    puts back the graph as Dynamo gave it (every region of it), logs a WARNING naming the
+    error and the region's lines, and is reported as a skip ("internal error: ..."). With
+    ``strict`` (the project's own tests, ``TILE_PASS_STRICT=1``) it is raised instead."""
+    run_compiled_tiles = compile_tiles if run_compiled_tiles is None else run_compiled_tiles
+    pristine = _copy_graph(gm.graph)
+    region: list[torch.fx.Node] = []  # the nodes of the region being rewritten, for the report
+    try:
+        # per-row loops (TRL's selective_log_softmax) folded into one row-wise op, kept only if
+        # that lets the pass tile a region; else the regions are found again in Dynamo's graph
+        if fold_row_loops(gm):
+            result = _rewrite_regions(gm, graph_index, tile_tokens, tile_bytes, drop_logits, compile_tiles,
+                                      run_compiled_tiles, region)  # fmt: skip
+            if result.report.rewrites:
+                result.original_graph = pristine
+                return result
+            gm.graph = _copy_graph(pristine)
+            gm.recompile()
+        result = _rewrite_regions(gm, graph_index, tile_tokens, tile_bytes, drop_logits, compile_tiles,
+                                  run_compiled_tiles, region)  # fmt: skip
+        result.original_graph = pristine
+        return result
+    except Exception as error:
+        if strict:
+            raise
+        gm.graph = pristine
+        gm.recompile()
+        lines = "; ".join(dict.fromkeys(source_line(node) for node in region)) or "?"
+        log.warning(
+            "tile_pass: internal error while rewriting the region at %s; graph %d is left as Dynamo gave "
+            "it and runs untiled (TILE_PASS_STRICT=1 raises instead)", lines, graph_index, exc_info=True,
+        )  # fmt: skip
+        return GraphRewrite(
+            GraphReport(index=graph_index, skipped=[internal_error(graph_index, lines, error)])
+        )
+
+
+def internal_error(graph_index: int, lines: str, error: BaseException) -> Skip:
+    """The report of a region the pass gave up on because of its own error."""
+    reason = f"internal error: {type(error).__name__}: {error} (the graph was left as Dynamo gave it)"
+    return Skip(graph_index, lines, reason)
+
+
+def is_region_node(node: torch.fx.Node) -> bool:
+    """A call the rewrite inserted, or a tile_pass op the user's code called (the functional API)."""
+    if node.op != "call_function":
+        return False
+    from tile_pass.functional import tiled_region_loss
+    from tile_pass.tiled_region import run_region
+    from tile_pass.vocab_parallel import run_sharded_region, vocab_parallel_region_loss
+
+    return node.target in (tiled_region_loss, run_region, run_sharded_region, vocab_parallel_region_loss) or (
+        getattr(node.target, "namespace", None) == "tile_pass"
+    )
+
+
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """The nodes of ``graph`` in a new graph, what to put back: meta copied shallowly, and what
+    Dynamo attaches to nodes beyond it (a placeholder's ``_dynamo_source``) carried over."""
+    copy = torch.fx.Graph(tracer_cls=graph._tracer_cls)
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    value, output = copy.graph_copy(graph, copies, return_output_node=True)
+    copies[output] = copy.output(value, output.type)
+    for node, copied in copies.items():
+        copied.meta = dict(node.meta)
+        for name, attribute in vars(node).items():
+            vars(copied).setdefault(name, attribute)
+    copy._codegen = graph._codegen
+    return copy
+
+
+def _rewrite_regions(
+    gm, graph_index, tile_tokens, tile_bytes, drop_logits, compile_tiles, run_compiled_tiles, region
+) -> GraphRewrite:
+    result = GraphRewrite(GraphReport(index=graph_index))
+    report = result.report
+    losses = [n for n in gm.graph.nodes if _is_loss(n)]
+    _rewrite_row_regions(gm, result, losses, tile_tokens, tile_bytes, drop_logits, compile_tiles,
+                         run_compiled_tiles, region)  # fmt: skip
+    # a loss no region took, nor reported: why its logits were not tiled
+    report.skipped[:0] = [
+        Skip(graph_index, source_line(loss), _why_untiled(loss)) for loss in losses if loss.graph is not None
+    ]
+    if report.rewrites:
+        gm.graph.lint()
+        gm.recompile()
+    return result
+
+
+_GRAPH_BREAK = (
+    "the logits are an input of this graph: a graph break separates the LM head from "
+    "the loss, so the pass sees only one half. Find the break with "
+    'TORCH_LOGS="graph_breaks" and remove it (e.g. a print or logging call between '
+    "the head and the loss), or compute the loss in the function that calls the head"
+)
+
+
+def _why_untiled(loss: torch.fx.Node) -> str:
+    """The reason a loss no region took is not tiled: the walk from its input back to the
+    LM head names the first op on the way that stops a region (or why there is no head)."""
+    options = bind(_LOSS_SIGNATURES[loss.target], loss)
+    node = options.get("input")
+    path: list[torch.fx.Node] = []
+    while True:
+        if not isinstance(node, torch.fx.Node):
+            return "the loss input is not computed in this graph"
+        if node.op == "placeholder":
+            return _GRAPH_BREAK
+        try:
+            if as_linear(node) is not None:
+                break
+        except NoMatch as why:
+            return str(why)
+        inputs = [a for a in node.args if isinstance(a, torch.fx.Node)] or node.all_input_nodes
+        if node.op not in ("call_function", "call_method") or not inputs:
+            return f"the loss input comes from {describe(node)}, not from a linear layer"
+        path.append(node)
+        node = inputs[0]
+    for reader in reversed(path):  # from the head towards the loss
+        if _rules.rule_for(reader) is None:
+            return f"{describe(reader)} has no row-wise rule, so the logits would have to exist whole"
+    return f"the LM head at {source_line(node)} reaches the loss, but no row-wise region of it was found"
+
+
+def _rewrite_row_regions(
+    gm,
+    result: GraphRewrite,
+    losses: list[torch.fx.Node],
+    tile_tokens,
+    tile_bytes,
+    drop_logits,
+    compile_tiles,
+    run_compiled_tiles,
+    current: list,
+) -> None:
+    """Every LM-head projection's region (see ``_region_match``), rewritten or skipped with the
+    reason that names the op and the line that stopped it. ``losses`` keeps the loss nodes no
+    region has taken or reported yet (the caller explains those)."""
+    report = result.report
+    states = _region_match._autocast_states(gm.graph)
+    for node in [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]:
+        if node.graph is None:  # erased by an earlier rewrite
+            continue
+        current[:] = [node]
+        try:
+            region = _region_match.match_row_region(gm.graph, node, states, drop_logits)
+            if region is None:
+                continue
+            dtype = val(node).dtype
+            vocab = region.program.vocab_size
+            tile = choose_tile_tokens(
+                vocab, dtype, dtype != torch.float32, tile_tokens=tile_tokens, tile_bytes=tile_bytes,
+                device=val(node).device, fused=compile_tiles,
+            )  # fmt: skip
+            if tile_tokens is None:
+                tile = auto_tile(tile)
+            current[:] = [region.projection, region.sink or region.outputs[0].node]
+            covered = set(region.nodes) | set(region.reduction_nodes)
+            loss_line = source_line(region.sink or region.outputs[0].node)
+            handled = _region_match.rewrite_row_region(
+                gm.graph, region, tile_tokens=tile, compile_tiles=run_compiled_tiles, result=result,
+                autocast_states=states,
+            )  # fmt: skip
+        except NoMatch as why:
+            depends = getattr(why, "depends", set())
+            held = [loss for loss in losses if loss in depends]
+            line = source_line(held[0]) if held else source_line(node)
+            losses[:] = [loss for loss in losses if loss not in depends]
+            report.skipped.append(Skip(result.report.index, line, str(why)))
+            continue
+        losses[:] = [loss for loss in losses if loss not in covered]
+        num_tokens = region.num_tokens
+        tile_now, schedule = _planned_tile(region, num_tokens, tile, dtype, compile_tiles)
+        itemsize = dtype.itemsize
+        returned = [val(o.node) for o in region.outputs if o.layout.kind == "rows"]
+        returned += [val(node) for node in region.kept_whole]
+        kept = sum(value.numel() * value.element_size() for value in returned)
+        outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
+        shard = region.program.shard  # a vocabulary-sharded head: bytes are this rank's
+        parallel = "" if shard is None else _tensor_parallel_text(
+            (val(region.weight).device_mesh.size(), shard[1], vocab)
+        )  # fmt: skip
+        report.rewrites.append(
+            Rewrite(
+                graph=report.index,
+                matmul_source=source_line(region.projection),
+                loss_source=loss_line,
+                form=" -> ".join(region.steps_text) + f" => {outputs}" + parallel,
+                num_tokens=_plain(num_tokens),
+                hidden_size=_plain(val(region.weight).shape[1]),
+                vocab_size=_plain(vocab if shard is None else shard[2]),
+                dtype=str(dtype).replace("torch.", ""),
+                reduction=_reduction_text(region, covered),
+                tile_tokens=tile_now,
+                num_tiles=_plain((num_tokens + tile_now - 1) // tile_now),
+                forward_bytes_avoided=_plain(num_tokens * vocab * _forward_bytes(itemsize, True) - kept),
+                backward_bytes_avoided=_plain(num_tokens * vocab * (4 + (itemsize if itemsize != 4 else 0))),
+                returned_logits=handled,
+                returned_logits_bytes=_plain(kept),
+                compiled_tiles=compile_tiles,
+                weight_grad_sum=_weight_grad_sum(schedule, dtype),
+            )
+        )
+
+
+def _planned_tile(
+    region, num_tokens, tile: int, dtype: torch.dtype, compiled: bool
+) -> tuple[int, str | None]:
+    """The tile and weight-gradient schedule the op will plan for a batch whose tokens all
+    count (``tile_pass.tiled_region._plan`` at run time, here on the sizes' hints, unguarded)."""
+    tokens_hint = optimization_hint(num_tokens, fallback=8192)
+    tile_now = effective_tile(tokens_hint, tile)
+    if not val(region.weight).requires_grad:
+        return tile_now, None
+    vocab, hidden = (optimization_hint(size, fallback=4096) for size in val(region.weight).shape)
+    return _weight_grad.plan(
+        tokens_hint, tile_now, -tile if tile < 0 else None, (vocab, hidden), dtype,
+        torch.promote_types(torch.float32, dtype),
+        tile_bytes_per_token(vocab, dtype, dtype != torch.float32, compiled), tokens_hint,
+    )  # fmt: skip
+
+
+def _reduction_text(region, covered: set) -> str:
+    """The eager reduction of the region's one loss call, else what the op returns."""
+    calls = [n for n in covered if n.op == "call_function" and n.target in (*_LOSS_SIGNATURES, F.kl_div)]
+    if len(calls) == 1:
+        reduction = calls[0].kwargs.get("reduction", "mean")
+        if calls[0].target in _LOSS_SIGNATURES:
+            reduction = bind(_LOSS_SIGNATURES[calls[0].target], calls[0])["reduction"]
+        if isinstance(reduction, str):
+            return reduction
+    if region.program.reduction is not None:
+        return "one scalar loss (its gradient formed in forward)"
+    return "per-token outputs (gradient re-derived in backward)"
+
+
+_SCHEDULE_TEXT = {
+    "direct": "formed by the only tile's GEMM, no sum across tiles",
+    "split": "float32 sum in two 16-bit planes, rounded over the high one",
+    "float32": "float32 sum",
+}
+
+
+def _weight_grad_sum(schedule: str | None, dtype: torch.dtype) -> str:
+    """How the tiles will form the weight gradient, and what it holds (see _weight_grad)."""
+    if schedule is None:
+        return "none"
+    what = _SCHEDULE_TEXT[schedule]
+    if schedule == "float32" and dtype == torch.float64:
+        what = "float64 sum"
+    elif schedule == "float32" and dtype != torch.float32:
+        what += ", rounded into a separate gradient"
+    held = _weight_grad.bytes_per_weight(schedule, dtype)
+    return f"{what} ({held} bytes per weight at the end of the loop, the returned gradient included)"
+
+
+def _forward_bytes(itemsize: int, upcast: bool) -> int:
+    """Logits in the model dtype, their fp32 upcast, and the fp32 log-probs saved for backward."""
+    return itemsize + (4 if upcast and itemsize != 4 else 0) + 4
+
+
+def _plain(value) -> int | str:
+    return value if isinstance(value, int) else str(value)
