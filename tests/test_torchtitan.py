@@ -198,6 +198,26 @@ def test_with_the_blocks_compiled(one_rank):
     _assert_same(tiled, shipped)
 
 
+def test_the_documented_command_line_reaches_the_loss():
+    """torchtitan's own CLI parser (ConfigManager, as ``torchtitan.train`` runs it) and the
+    trainer's apply_overrides: the config's loss becomes the tiled one."""
+    from torchtitan.config.manager import ConfigManager
+    from torchtitan.config.override import apply_overrides
+
+    config = ConfigManager().parse_args(
+        ["--module", "llama3", "--config", "llama3_debugmodel", "--override.imports", OVERRIDE]
+    )
+    assert config.override.imports == [OVERRIDE]
+    apply_overrides(config.override, config)  # Trainer.__init__
+    assert type(config.loss) is titan.TiledCrossEntropyLoss.Config
+    config = ConfigManager().parse_args(
+        ["--module", "llama3", "--config", "llama3_debugmodel",
+         "--override.imports", OVERRIDE + '={"tile_tokens": 16, "inner": "aot_eager"}']
+    )  # fmt: skip
+    apply_overrides(config.override, config)
+    assert (config.loss.tile_tokens, config.loss.inner) == (16, "aot_eager")
+
+
 def test_the_override_refuses_a_loss_it_does_not_replace():
     from torchtitan.components.loss import MSELoss
 
