@@ -135,8 +135,8 @@ def test_recipe_with_the_chunked_loss_is_rewritten_and_exact(tmp_path, shipped):
     assert recipe._model.num_output_chunks == 0
     report = tt.report(recipe)
     assert len(report.rewrites) == 1, str(report)
-    form = report.rewrites[0].form
-    assert "cross_entropy(reduction=mean, ignore_index=-100)" in form, form
+    form = report.rewrites[0].form  # the cross-entropy chain's, or the row-wise region's
+    assert "cross_entropy" in form and "ignore_index=-100" in form, form
     _assert_equal_runs(shipped, result)
     # the model hands hidden states to the loss; restore_output_layer gives logits back
     tokens = torch.randint(0, VOCAB, (1, 8))
