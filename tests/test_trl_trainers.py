@@ -219,6 +219,15 @@ def test_dpo_trainer_bf16_is_tiled_under_autocast(tmp_path):
     assert_same_run(trl_run, tiled_run, rtol=2e-2, atol=1e-3)
 
 
+@pytest.mark.slow
+def test_dpo_trainer_with_the_default_backend(tmp_path):
+    """The line as users write it, ``hand_head_to_tile_pass(trainer)``: Inductor inside (~30 s on 2 cores)."""
+    trl_run, tiled_run = train_both(dpo_builder(), tmp_path)
+    rep = assert_tiled(tiled_run[0], [1])
+    assert all(r.compiled_tiles for r in rep.rewrites), str(rep)
+    assert_same_run(trl_run, tiled_run)
+
+
 # --- RLOO and KTO -----------------------------------------------------------------------------
 
 
