@@ -278,26 +278,26 @@ def _describe(outputs: tuple[str, ...], entropy_grad: bool) -> str:
     return ", ".join(names)
 
 
-def _tiled_forward(module, fused, backend, entropy_grad: bool, programs: dict):
+def _own_code(func, name: str):
+    """``func`` with a code object of its own: Dynamo keeps its compiled graphs (and counts its
+    recompiles against ``torch._dynamo.config.recompile_limit``) per code object, so each handed
+    module gets its own budget instead of every policy / reference / grad-mode / shape variant
+    sharing one."""
+    renamed = {"co_name": name, **({"co_qualname": name} if hasattr(func.__code__, "co_qualname") else {})}
+    code = func.__code__.replace(**renamed)
+    own = types.FunctionType(code, func.__globals__, name, func.__defaults__, func.__closure__)
+    own.__qualname__ = name
+    return own
+
+
+def _tiled_forward(module, fused, backend, entropy_grad: bool, name: str):
     """The forward that replaces TRL's ``fused`` on ``module``, as a bound method."""
     from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
     settings = _trl_settings(fused)
     original = settings["original_forward"]
-    key = (
-        tuple(settings["outputs"]),
-        settings["temperature"],
-        settings["logit_scale"],
-        settings["final_logit_softcapping"],
-        settings["cast_lm_head_to_fp32"],
-        settings["backbone_attr"],
-        id(settings["text_config"]),
-        entropy_grad,
-    )
-    if key not in programs:
-        program, outputs = _head_program(settings, entropy_grad)
-        programs[key] = (torch.compile(program, backend=backend), outputs)
-    compiled, outputs = programs[key]
+    program, outputs = _head_program(settings, entropy_grad)
+    compiled = torch.compile(_own_code(program, name), backend=backend)
 
     @functools.wraps(type(module).forward)  # generate() checks its kwargs against this signature
     def forward(
@@ -387,9 +387,12 @@ def _hand_rl_head(trainer, inner, backend_options) -> None:
         raise ValueError("this trainer's models have no TRL fused LM head to hand to tile_pass")
     backend = _resolve_backend(trainer, inner, backend_options)
     entropy_grad = _entropy_needs_grad(trainer)
-    programs: dict = {}
-    for module, fused, under_accelerate in found:
-        forward = _tiled_forward(module, fused, backend, entropy_grad, programs)
+    # every forward is built before any is installed: a refusal leaves the trainer as it was
+    forwards = [
+        _tiled_forward(module, fused, backend, entropy_grad, f"trl_head_{i}_{type(module).__name__}")
+        for i, (module, fused, _) in enumerate(found)
+    ]
+    for (module, _, under_accelerate), forward in zip(found, forwards, strict=True):
         if under_accelerate:
             _rewrap_for_accelerate(trainer, module, forward)
         else:
