@@ -435,7 +435,7 @@ def _check_cross_entropy_rewrite(dtype, returns_logits):
     assert rewrite.weight_grad_sum.startswith(text), rewrite.weight_grad_sum
     if returns_logits:
         assert rewrite.returned_logits.startswith("returned exactly, written by the tiles"), rewrite
-    calls = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "tiled_region_loss"]
+    calls = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "run_region"]
     assert len(calls) == 1 and calls[0].kwargs["compile_tiles"] is True
     assert calls[0].kwargs["tile_tokens"] == tiling.auto_tile(largest)
 

@@ -79,7 +79,8 @@ class Step:
         numbers = [repr(a) for a in self.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
         if name in _VIEWS or not numbers:
             return f".{name}()" if self.op == "call_method" else name
-        return f"{name}({', '.join(numbers)})"
+        shown = f"{name}({', '.join(numbers)})"
+        return f".{shown}" if self.op == "call_method" else shown
 
 
 #: how the report names an op whatever way the user's code spelled it

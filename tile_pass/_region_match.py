@@ -1010,6 +1010,7 @@ def rewrite_row_region(
         point.prepend(node)
 
     economy = region.program.reduction is not None
+    existing = set(graph.nodes)
     with graph.inserting_before(point):
         tokens = region.hidden  # the rows the tiles run: the hidden states after the token slices
         for index in region.slices:
@@ -1043,6 +1044,8 @@ def rewrite_row_region(
         offset = 1 if economy else 0
         restored = {}
         for k, out in enumerate(region.outputs):
+            if economy and out.node is region.sink:  # the op's loss (below) replaces it
+                continue
             flat = graph.call_function(operator.getitem, (call, k + offset))
             if out.after_tiles is not None:
                 how, *operands = out.after_tiles
@@ -1050,14 +1053,16 @@ def rewrite_row_region(
             else:
                 value = graph.call_function(_restore, (flat, tokens, out.flat_tokens))
             restored[out.node] = value
-            if economy and out.node is region.sink:
-                continue
             out.node.replace_all_uses_with(value, delete_user_cb=lambda user: user not in members)
         if economy:
             loss = graph.call_function(operator.getitem, (call, 0))
             loss.meta.update(region.sink.meta)
             region.sink.replace_all_uses_with(loss)
 
+    anchor = (region.sink or region.outputs[0].node).meta.get("stack_trace")
+    for node in graph.nodes:  # the inserted nodes show the loss's line in dumps and traces
+        if node not in existing and anchor and not node.meta.get("stack_trace"):
+            node.meta["stack_trace"] = anchor
     handled = "not returned"
     if region.kept_whole:
         handled = (

@@ -128,9 +128,9 @@ def is_region_node(node: torch.fx.Node) -> bool:
         return False
     from tile_pass.functional import tiled_region_loss
     from tile_pass.tiled_region import run_region
-    from tile_pass.vocab_parallel import run_sharded_region, vocab_parallel_region_loss
+    from tile_pass.vocab_parallel import run_sharded_region
 
-    return node.target in (tiled_region_loss, run_region, run_sharded_region, vocab_parallel_region_loss) or (
+    return node.target in (tiled_region_loss, run_region, run_sharded_region) or (
         getattr(node.target, "namespace", None) == "tile_pass"
     )
 
@@ -302,17 +302,18 @@ def _planned_tile(
 
 
 def _reduction_text(region, covered: set) -> str:
-    """The eager reduction of the region's one loss call, else what the op returns."""
+    """The eager reduction of the region's one loss call when that loss is all it computes
+    (beside returned logits),
+    and whether the op forms the loss's gradient in forward (one scalar) or in backward."""
     calls = [n for n in covered if n.op == "call_function" and n.target in (*_LOSS_SIGNATURES, F.kl_div)]
-    if len(calls) == 1:
-        reduction = calls[0].kwargs.get("reduction", "mean")
-        if calls[0].target in _LOSS_SIGNATURES:
-            reduction = bind(_LOSS_SIGNATURES[calls[0].target], calls[0])["reduction"]
-        if isinstance(reduction, str):
-            return reduction
+    eager = None
+    if len(calls) == 1 and [o.node for o in region.outputs if o.layout.kind != "rows"] == calls:
+        options = bind(_LOSS_SIGNATURES.get(calls[0].target, inspect.signature(F.kl_div)), calls[0])
+        eager = options["reduction"] if isinstance(options["reduction"], str) else None
     if region.program.reduction is not None:
-        return "one scalar loss (its gradient formed in forward)"
-    return "per-token outputs (gradient re-derived in backward)"
+        scalar = "one scalar loss (its gradient formed in forward)"
+        return f"{eager}: {scalar}" if eager else scalar
+    return eager or "per-token outputs (gradient re-derived in backward)"
 
 
 _SCHEDULE_TEXT = {

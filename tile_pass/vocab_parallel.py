@@ -253,36 +253,6 @@ def vocab_parallel_cross_entropy(
     return loss
 
 
-def vocab_parallel_region_loss(
-    hidden,
-    weight,
-    target,
-    *,
-    reduction: str,
-    ignore_index: int,
-    label_smoothing: float,
-    upcast: bool,
-    tile_tokens: int,
-    compile_tiles: bool,
-    group_name: str,
-    vocab_start: int,
-):
-    """What the backend pass calls for a matched tensor-parallel region (torchtitan's
-    ``ColwiseParallel`` head and a cross entropy under ``loss_parallel()``): the tiled loss,
-    a replicated DTensor when the hidden states are DTensors, as ``loss_parallel`` returns."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    flat = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
-    loss = vocab_parallel_cross_entropy(
-        flat, weight, target.reshape(-1), reduction=reduction, ignore_index=ignore_index,
-        label_smoothing=label_smoothing, upcast=upcast, tile_tokens=tile_tokens, compile_tiles=compile_tiles,
-        shard=(group_name, vocab_start),
-    )  # fmt: skip
-    if isinstance(hidden, DTensor):
-        return DTensor.from_local(loss, hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim)
-    return loss
-
-
 # ------------------------------------------------------- row-wise regions over a shard
 #
 # A row-wise region (``tile_pass._region``) of a vocabulary-sharded head runs on this rank's
