@@ -166,7 +166,7 @@ def test_override_tiles_the_head_and_matches_the_shipped_chunked_loss(one_rank):
     assert len(rewrites) == 1, str(tiled["report"])
     form = rewrites[0].form  # the cross-entropy chain's, or the row-wise region's
     assert "cross_entropy" in form and "ignore_index=-100" in form, form
-    assert rewrites[0].reduction == "sum", rewrites[0]
+    assert rewrites[0].reduction.startswith("sum"), rewrites[0]
     assert rewrites[0].num_tiles == BATCH * SEQ // TILE
     _assert_same(tiled, shipped)
 
