@@ -32,7 +32,7 @@ import transformers
 
 import tile_pass
 from tile_pass.dynamo_backend import Backend
-from tile_pass.integrations import trl as _trl
+from tile_pass.integrations import _trl_heads
 from tile_pass.integrations._forward import forward_chain, model_of
 from tile_pass.report import Report
 
@@ -130,7 +130,7 @@ def report(obj, backend: Backend | None = None) -> Report:
             "this model was not compiled by compile_for_training; the report is backend='tile_pass''s "
             "(tile_pass.default_backend())"
         )
-    trl_hint = _trl.fused_lm_head_hint(obj)
+    trl_hint = _trl_heads.fused_lm_head_hint(obj)
     if trl_hint:
         hints.append(trl_hint)
     elif not result.rewrites and not result.skipped:
