@@ -147,10 +147,11 @@ class Report:
 _TRL_HINT = (
     "TRL is imported: TRL's trainers (SFTTrainer, GRPOTrainer, DPOTrainer, KTOTrainer, RLOOTrainer) "
     "replace the model's forward with TRL's fused LM head (trl.trainer.utils.add_fused_lm_head), which "
-    "computes per-token log-probs in its own chunks, so no cross_entropy reaches tile_pass; and TRL's "
-    "selective_log_softmax (logsumexp + gather) is not a cross_entropy either. "
+    "computes per-token log-probs in its own chunks, so no projection of the model reaches tile_pass. "
     "tile_pass.integrations.trl.fused_lm_head_modules(trainer) tells whether the head was replaced, "
-    "tile_pass.integrations.trl.hand_head_to_tile_pass(trainer) gives an SFTTrainer's head back, and "
+    "tile_pass.integrations.trl.hand_head_to_tile_pass(trainer) hands it to tile_pass (SFT: the "
+    "model's own forward and loss; GRPO/RLOO/DPO/KTO: the same per-token outputs from the model's "
+    "lm_head, tiled), and "
     "tile_pass.integrations.transformers.report(trainer) names what it found"
 )
 
