@@ -92,10 +92,7 @@ def test_frozen_weight_gets_no_gradient_work():
         torch.compile(head, backend=tile_pass.backend(inner, compile_tiles=False)), requires_weight_grad=False
     )
     calls = [
-        n
-        for gm in graphs
-        for n in gm.graph.nodes
-        if n.target is torch.ops.tile_pass.row_region_loss.default
+        n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.tile_pass.row_region_loss.default
     ]
     assert len(calls) == 1
     schema = torch.ops.tile_pass.row_region_loss.default._schema

@@ -18,8 +18,6 @@ are built as ``Trainer.__init__`` builds them; the step is the trainer's own
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import os
 import types
 
@@ -29,21 +27,12 @@ import torch.distributed as dist
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed")
 from test_distributed import _free_port, spawn  # noqa: E402
+from test_tensor_parallel import _process_group  # noqa: E402
 
 from tile_pass.integrations import torchtitan as titan  # noqa: E402  (before torchtitan's models)
 
 SEQ, BATCH, TILE = 32, 2, 16
 OVERRIDE = "tile_pass.integrations.torchtitan.tiled_loss"
-
-
-@contextlib.contextmanager
-def _process_group(rank: int, world: int, port: int):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _config(tiled: bool, *, tp: int = 1, spmd_backend: str = "spmd_types", ce_loss: bool = False,
@@ -144,7 +133,7 @@ def _step(config, world: int) -> dict:
 
 @pytest.fixture
 def one_rank():
-    with _process_group(0, 1, _free_port()):
+    with _process_group(0, _free_port(), world=1):
         yield
     torch._dynamo.reset()
 
@@ -235,7 +224,7 @@ TWO_RANK_CASES = {  # name: _config's keyword arguments
 
 
 def _two_rank_worker(rank, port, outdir):
-    with _process_group(rank, 2, port):
+    with _process_group(rank, port, world=2):
         results = {}
         for case, kwargs in TWO_RANK_CASES.items():
             for tiled in (False, True):

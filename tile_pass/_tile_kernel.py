@@ -42,7 +42,6 @@ from tile_pass._tiling import STORE_GRAD_OVER_LOGITS
 aten = torch.ops.aten
 
 
-
 def _apply_op(x: torch.Tensor, op: tuple, extras: list[torch.Tensor], constants: tuple[float, ...]):
     name, *arg = op
     if name == "cast":

@@ -10,6 +10,7 @@ from tile_pass.integrations._forward import code_of, forward_chain, models_of
 #: what TRL calls the forward it installs (``add_fused_lm_head.<locals>._fused_forward``)
 _TRL_FORWARD = "_fused_forward"
 
+
 def _is_trl_fused_forward(f) -> bool:
     code = code_of(f)
     if code is None:
