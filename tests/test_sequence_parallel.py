@@ -163,7 +163,7 @@ def test_global_token_weighted_mean_and_gradients(rank_results, name):
         assert_close_to_oracle(got["grad_b"], factor * grad_b, dtype, f"rank {rank} grad bias")
         if local == "compiled":
             assert len(got["report"]["rewrites"]) == 1, got["report"]
-            assert got["report"]["rewrites"][0]["reduction"] == "sum"
+            assert got["report"]["rewrites"][0]["reduction"].startswith("sum")
 
 
 def test_mean_of_rank_means_would_be_wrong():
