@@ -1066,8 +1066,9 @@ def rewrite_row_region(
     handled = "not returned"
     if region.kept_whole:
         handled = (
-            "returned whole, as the graph computes them; the loss tiles the sliced hidden states, so "
-            "no float32 copy of the logits and no gradient over them is formed for it"
+            "returned whole, as the graph computes them (the caller asked for all of them); the loss "
+            "tiles the sliced hidden states, so the loss's own float32 copy and gradient of the logits "
+            "are not formed"
         )
     output = next(n for n in graph.nodes if n.op == "output")
     outputs = list(output.args[0])
