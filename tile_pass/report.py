@@ -147,7 +147,8 @@ class Report:
 _TRL_HINT = (
     "TRL is imported: TRL's trainers (SFTTrainer, GRPOTrainer, DPOTrainer, KTOTrainer, RLOOTrainer) "
     "replace the model's forward with TRL's fused LM head (trl.trainer.utils.add_fused_lm_head), which "
-    "computes per-token log-probs in its own chunks, so no projection of the model reaches tile_pass. "
+    "computes per-token log-probs in its own chunks, so no projection of the model reaches tile_pass "
+    "(TRL's selective_log_softmax on the model's logits, outside that head, is tiled as a row-wise region). "
     "tile_pass.integrations.trl.fused_lm_head_modules(trainer) tells whether the head was replaced, "
     "tile_pass.integrations.trl.hand_head_to_tile_pass(trainer) hands it to tile_pass (SFT: the "
     "model's own forward and loss; GRPO/RLOO/DPO/KTO: the same per-token outputs from the model's "
