@@ -44,6 +44,14 @@ def _fresh_dynamo(request):
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True)
+def _fx_tracing_state_is_restored():
+    """A test that leaves FX's global "is tracing" flag set fails every later compile in the
+    process; failing here names the test that left it."""
+    yield
+    assert not torch.fx._symbolic_trace.is_fx_tracing(), "FX's tracing flag was left set"
+
+
 def leaves(*tensors, requires_grad=True, dtype=None):
     """Detached copies (optionally cast) that require grad; ``None`` passes through."""
     out = []

@@ -404,6 +404,40 @@ def test_two_threads_concurrently(fn):
             torch.testing.assert_close(g, single[1][k], rtol=0, atol=0)
     ref, _ = _run(oracle, _leaves(d, torch.float64))
     assert_close_to_oracle(single[0], ref, torch.float32, "threaded loss vs oracle")
+    # FX's process-global tracing state is left as it was (a race here made every later
+    # compile in the process fail with "symbolically trace a dynamo-optimized function").
+    assert not torch.fx._symbolic_trace.is_fx_tracing()
+
+
+def test_tile_tracing_waits_for_a_compile_in_another_thread():
+    """Tracing a tile at run time takes Dynamo's compile lock, so it never interleaves FX's
+    global tracing state with a compile running in another thread."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    tile_pass.clear_caches()  # the call below must trace its tile
+    d = base(n=9, v=31, seed=5)
+    compiling, compiled = threading.Event(), threading.Event()
+
+    def another_thread_compiles():
+        with compile_lock:
+            compiling.set()
+            compiled.wait(30)
+
+    holder = threading.Thread(target=another_thread_compiles)
+    holder.start()
+    assert compiling.wait(30)
+    results = []
+    caller = threading.Thread(target=lambda: results.append(_run(direct, _leaves(d))))
+    caller.start()
+    caller.join(timeout=3)
+    traced_during_the_compile = not caller.is_alive()
+    compiled.set()
+    holder.join(30)
+    caller.join(120)
+    assert not traced_during_the_compile
+    assert len(results) == 1
+    ref, _ = _run(oracle, _leaves(d, torch.float64))
+    assert_close_to_oracle(results[0][0], ref, torch.float32, "loss traced after the compile")
 
 
 def test_meta_tensors_give_eager_shape():

@@ -10,6 +10,11 @@ Two details make that graph usable inside a custom op at run time:
 * Tracing happens on a helper thread. A custom op's implementation runs below the
   autograd dispatch keys, so autograd records nothing there; a fresh thread has the
   default dispatch state, and tracing only touches fake tensors.
+* Tracing holds Dynamo's compile lock. FX tracing keeps process-global state (the
+  "is tracing" flag and the active patcher); a tile traced at run time in one thread while
+  another thread compiles would interleave that state and leave the flag set, after which
+  every later compile in the process fails with "symbolically trace a dynamo-optimized
+  function". The lock is taken before the cache lock, in the caller's thread.
 * The weight gradient is accumulated in place. The derived graph ends in
   ``acc.add_(t(t(mm(a, b))))``; :func:`_accumulate_weight_grad_in_place` rewrites that
   into ``acc.addmm_(a, b)`` when the dtypes allow, so no ``[V, H]`` temporary is made
@@ -19,6 +24,7 @@ Two details make that graph usable inside a custom op at run time:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -672,6 +678,20 @@ class _BlockedUpcastAccumulate(torch.nn.Module):
             self.adds[stop - start](acc[start:stop], torch.mm(a[start:stop], b))
 
 
+#: Set on the tracing thread, whose caller already holds the compile lock for it.
+_tracer_state = threading.local()
+
+
+def _tracing_lock():
+    """Dynamo's compile lock (an ``RLock``): no FX tracing of ours overlaps a compile or
+    another trace in any thread (see the module docstring)."""
+    if getattr(_tracer_state, "caller_holds_lock", False):
+        return contextlib.nullcontext()
+    from torch._dynamo.convert_frame import compile_lock
+
+    return compile_lock
+
+
 def _inductor_once(name: str, fn, examples) -> object:
     """``fn`` (in-place updates of its arguments) traced and compiled by Inductor, once per
     ``name`` and layout of ``examples`` (kept in the bounded cache). Tracing runs ``fn``, so it
@@ -681,10 +701,15 @@ def _inductor_once(name: str, fn, examples) -> object:
     if compiled is None:
         from torch._inductor.compile_fx import compile_fx
 
-        scratch = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in examples]
-        traced = make_fx(fn)(*scratch)
-        with torch.no_grad():
-            compiled = _compiled_adds.put(layout, compile_fx(traced, scratch))
+        with _tracing_lock():
+            compiled = _compiled_adds.get(layout)
+            if compiled is None:
+                scratch = [
+                    torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in examples
+                ]
+                traced = make_fx(fn)(*scratch)
+                with torch.no_grad():
+                    compiled = _compiled_adds.put(layout, compile_fx(traced, scratch))
     return compiled
 
 
@@ -733,7 +758,7 @@ class _BoundedCache:
 #: bounded set of sizes per region, see _tiling.padded_rows), dtype and region; 128 covers
 #: dozens of regions.
 TILE_KERNEL_CACHE_SIZE = 128
-#: :func:`_compiled_add` by layout; only the (single) tracing thread touches it.
+#: :func:`_inductor_once`'s kernels by name and layout.
 _compiled_adds = _BoundedCache(64)
 
 
@@ -1120,11 +1145,20 @@ def traced_once(key, trace):
     global _tracer
     with _cache_lock:
         kernel = _cache.get(key)
+    if kernel is not None:
+        return kernel
+    with _tracing_lock(), _cache_lock:
+        kernel = _cache.get(key)
         if kernel is None:
             if _tracer is None:
                 _tracer = concurrent.futures.ThreadPoolExecutor(1, "tile_pass_tracer")
-            kernel = _cache.put(key, _tracer.submit(trace, key).result())
+            kernel = _cache.put(key, _tracer.submit(_on_tracing_thread, trace, key).result())
     return kernel
+
+
+def _on_tracing_thread(trace, key):
+    _tracer_state.caller_holds_lock = True
+    return trace(key)
 
 
 def tile_kernel(key: KernelKey) -> TileKernel:
