@@ -47,12 +47,14 @@ from tile_pass._measure import MiB, measure_steps, peak_memory, reset_peak_memor
 
 VOCAB, HIDDEN, SEQ, BATCH = 32000, 64, 1024, 2
 CPU = torch.device("cpu")
-STACKS = ("loop", "trainer", "trainer_bf16", "peft", "checkpointing", "lightning", "trl_sft", "torchtune",
-          "torchtitan")  # fmt: skip
+STACKS = ("loop", "trainer", "trainer_bf16", "peft", "checkpointing", "lightning", "trl_sft", "trl_grpo",
+          "trl_dpo", "torchtune", "torchtitan")  # fmt: skip
 VARIANTS = ("compiled", "tile_pass", "drop_logits")
 PRETRAINING_STACKS = ("torchtune", "torchtitan")
 PRETRAINING_VARIANTS = ("ce", "chunked", "chunked_compiled", "tile_pass")
 PRETRAINING_BATCH = 8  # x SEQ = 8192 tokens: both shipped chunked losses split them 8 ways
+#: TRL's stacks, run at PRETRAINING_BATCH x SEQ tokens, where TRL's head (4096 tokens a chunk) chunks
+TRL_STACKS = ("trl_sft", "trl_grpo", "trl_dpo")
 
 
 def tiny_llama():
@@ -112,8 +114,8 @@ def loop_step(model, peak, steps=2):
     return float(loss)
 
 
-def hf_trainer(model, peak, bf16=False, trl_variant=None):
-    import datasets
+def peak_callback(peak: Peak):
+    """A ``transformers.TrainerCallback`` that measures the second optimizer step."""
     import transformers
 
     class PeakCallback(transformers.TrainerCallback):
@@ -125,33 +127,87 @@ def hf_trainer(model, peak, bf16=False, trl_variant=None):
             if state.global_step == 2:
                 peak.stop()
 
-    rows = token_rows(2 * BATCH).tolist()
-    common = dict(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=BATCH, max_steps=2, report_to=[],
+    return PeakCallback()
+
+
+def _trainer_args(batch, bf16=False) -> dict:
+    return dict(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=2, report_to=[],
         use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=bf16, logging_steps=1,
     )  # fmt: skip
-    if trl_variant is None:
-        dataset = datasets.Dataset.from_list([{"input_ids": r, "labels": r} for r in rows])
-        trainer = transformers.Trainer(
-            model=model, args=transformers.TrainingArguments(**common), train_dataset=dataset
-        )
-    else:
-        import trl
 
-        from tile_pass.integrations.trl import hand_head_to_tile_pass
 
+def hf_trainer(model, peak, bf16=False):
+    import datasets
+    import transformers
+
+    rows = token_rows(2 * BATCH).tolist()
+    dataset = datasets.Dataset.from_list([{"input_ids": r, "labels": r} for r in rows])
+    args = transformers.TrainingArguments(**_trainer_args(BATCH, bf16))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.add_callback(peak_callback(peak))
+    return trainer.train().training_loss
+
+
+def _words(row) -> str:
+    return " ".join(f"t{i}" for i in row)
+
+
+def trl_train(stack, variant, inner, peak):
+    """TRL's own trainer on the tiny Llama at ``PRETRAINING_BATCH x SEQ`` tokens a step, as TRL
+    ships it (``trl_head``: its fused head, 4096 tokens a chunk) or with
+    ``hand_head_to_tile_pass(trainer)``. SFT: 8 rows of 1024 tokens. GRPO: 8 completions
+    of 1024 sampled tokens (8 generations of one prompt per step, a reference model, beta 0.04;
+    generation is part of the step's time). DPO: 4 preference pairs whose prompt + chosen and
+    prompt + rejected are 1024 tokens each, a reference model."""
+    import datasets
+    import trl
+
+    from tile_pass.integrations.trl import hand_head_to_tile_pass
+
+    model = tiny_llama().train()
+    rows = token_rows(2 * PRETRAINING_BATCH).tolist()
+    common = _trainer_args(PRETRAINING_BATCH)
+    if stack == "trl_sft":
         dataset = datasets.Dataset.from_list([{"input_ids": r} for r in rows])
+        args = trl.SFTConfig(**common, max_length=SEQ)
         trainer = trl.SFTTrainer(
-            model=model,
-            args=trl.SFTConfig(**common, max_length=SEQ),
-            train_dataset=dataset,
-            processing_class=tiny_tokenizer(),
+            model=model, args=args, train_dataset=dataset, processing_class=tiny_tokenizer()
         )
-        if trl_variant != "trl_head":
-            hand_head_to_tile_pass(trainer)
-    trainer.add_callback(PeakCallback())
-    result = trainer.train()
-    return result.training_loss, trainer
+    elif stack == "trl_grpo":
+        path = tempfile.mkdtemp()
+        model.save_pretrained(path)  # GRPO builds its reference model from the policy's path
+        dataset = datasets.Dataset.from_list([{"prompt": _words(r[:8])} for r in rows])
+        args = trl.GRPOConfig(
+            **common, num_generations=PRETRAINING_BATCH, max_completion_length=SEQ, beta=0.04,
+            generation_kwargs={"min_new_tokens": SEQ},  # every completion is SEQ tokens long
+        )  # fmt: skip
+
+        def reward(completions, **kwargs):
+            return [float(len(c) % 7) for c in completions]
+
+        trainer = trl.GRPOTrainer(
+            model=path, reward_funcs=reward, args=args, train_dataset=dataset,
+            processing_class=tiny_tokenizer(),
+        )  # fmt: skip
+    elif stack == "trl_dpo":
+        pairs = [
+            {"prompt": _words(r[:8]), "chosen": " " + _words(r[8:]), "rejected": " " + _words(r[:7:-1])}
+            for r in rows
+        ]
+        args = trl.DPOConfig(
+            **{**common, "per_device_train_batch_size": PRETRAINING_BATCH // 2}, max_length=SEQ
+        )
+        trainer = trl.DPOTrainer(
+            model=model, ref_model=tiny_llama(), args=args, train_dataset=datasets.Dataset.from_list(pairs),
+            processing_class=tiny_tokenizer(),
+        )  # fmt: skip
+    else:
+        raise ValueError(stack)
+    if variant == "tile_pass":
+        hand_head_to_tile_pass(trainer, inner)
+    trainer.add_callback(peak_callback(peak))
+    return trainer.train().training_loss, trainer
 
 
 def tiny_tokenizer():
@@ -361,6 +417,15 @@ def child(stack: str, variant: str, inner: str) -> dict:
             "tokens": PRETRAINING_BATCH * SEQ,
             **train(variant, inner),
         }
+    if stack in TRL_STACKS:
+        from tile_pass.integrations.transformers import report
+
+        loss, trainer = trl_train(stack, variant, inner, peak)
+        return {
+            "stack": stack, "variant": variant, "peak_mib": peak.peak / MiB, "loss": loss,
+            "rewritten": len(report(trainer).rewrites) if variant == "tile_pass" else 0,
+            "step_s": peak.seconds, "tokens": PRETRAINING_BATCH * SEQ,
+        }  # fmt: skip
     model = tiny_llama().train()
     if stack == "peft":
         import peft
@@ -374,16 +439,13 @@ def child(stack: str, variant: str, inner: str) -> dict:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if variant != "trl_head":
-        prepare(model, variant, inner)
+    prepare(model, variant, inner)
     if stack in ("loop", "peft", "checkpointing"):
         loss = loop_step(model, peak)
     elif stack in ("trainer", "trainer_bf16"):
-        loss, _ = hf_trainer(model, peak, bf16=stack == "trainer_bf16")
+        loss = hf_trainer(model, peak, bf16=stack == "trainer_bf16")
     elif stack == "lightning":
         loss = lightning_fit(model, peak)
-    elif stack == "trl_sft":
-        loss, _ = hf_trainer(model, peak, trl_variant=variant)
     else:
         raise ValueError(stack)
     rewritten = len(report(model).rewrites) if variant in ("tile_pass", "drop_logits") else 0
@@ -411,7 +473,7 @@ def main() -> None:
     print("| stack | variant | N | rewritten | peak MiB above the step's start | step s | loss |")
     print("|---|---|---|---|---|---|---|")
     for stack in args.stacks:
-        variants = (("trl_head",) if stack == "trl_sft" else ()) + VARIANTS
+        variants = ("trl_head", "tile_pass") if stack in TRL_STACKS else VARIANTS
         if stack == "trainer_bf16":
             variants = ("compiled", "tile_pass")  # nothing rewritten today: the same step
         if stack in PRETRAINING_STACKS:
