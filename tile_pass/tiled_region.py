@@ -339,6 +339,17 @@ def _tile_of(t: torch.Tensor, start: int, stop: int, size: int, zeros: bool = Fa
     return torch.cat([t, pad])
 
 
+def _zero_outputs(program: RowProgram, hidden: torch.Tensor) -> list[torch.Tensor]:
+    """Zeros of the outputs' shapes and dtypes, one broadcast element each: a returned logits
+    output would otherwise cost a whole ``[N, V]`` buffer only to stand for "any value"."""
+    return [
+        torch.zeros((), dtype=out.dtype, device=hidden.device).expand(
+            hidden.shape[0], *_region.row_part(out.layout, program.vocab_size)
+        )
+        for out in program.outputs
+    ]
+
+
 def _fake_outputs(program: RowProgram, hidden: torch.Tensor) -> list[torch.Tensor]:
     return [
         hidden.new_empty(
@@ -390,8 +401,7 @@ def _row_region_loss(
     region = _region.lookup(program)
     _check_indices(region, token_inputs)
     # the token weights: d loss / d output, independent of the outputs (a linear reduction)
-    zeros = [out.zero_() for out in _fake_outputs(region, hidden)]
-    weights = _reduction_gradient(region, zeros, reduce_inputs)
+    weights = _reduction_gradient(region, _zero_outputs(region, hidden), reduce_inputs)
     diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
     tangents = dict(zip(diff, weights, strict=True))
     rows = _skipped_rows(region, token_inputs, hidden, tangents, values=True)
@@ -517,8 +527,8 @@ def _region_vjp(ctx, grads):
     need = ctx.needs_input_grad[:3]
     need = (need[0], need[1], need[2] and bias is not None)
     region = _region.lookup(ctx.options["program"])
-    zeros = _fake_outputs(region, hidden)  # shapes and dtypes of the outputs, for unused ones
-    tangents = [grads[i] if grads[i] is not None else zeros[i].zero_() for i in ctx.diff]
+    zeros = _zero_outputs(region, hidden)  # for the outputs whose gradient is unused
+    tangents = [grads[i] if grads[i] is not None else zeros[i] for i in ctx.diff]
     grad_h, grad_w, grad_b = _row_region_backward(
         tangents, hidden, weight, bias, list(token_inputs), list(row_inputs), **ctx.options,
         need_hidden=need[0], need_weight=need[1], need_bias=need[2],
