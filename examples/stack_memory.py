@@ -3,6 +3,7 @@
     python examples/stack_memory.py                    # every stack, inductor inside
     python examples/stack_memory.py --stacks trainer peft --inner aot_eager
     python examples/stack_memory.py --stacks torchtune torchtitan   # the pretraining stacks
+    python examples/stack_memory.py --stacks trl_sft trl_grpo trl_dpo   # TRL's trainers
 
 A randomly initialised 1-layer Llama (vocab 32000, hidden 64, no download) trains on batches
 of 2 x 1024 tokens: the float32 logits are 250 MiB, far above everything else. Each
@@ -10,8 +11,11 @@ of 2 x 1024 tokens: the float32 logits are 250 MiB, far above everything else. E
 resident size at the start of the second step (compiled, optimizer state allocated), as in
 ``tile_pass._measure``. Variants: ``compiled`` (the same forward compiled without tile_pass),
 ``tile_pass`` (``compile_for_training``, returned logits kept exact), ``drop_logits``
-(``compile_for_training(..., drop_logits=True)``); TRL adds ``trl_head`` (SFTTrainer's own
-fused head) and hands the head back for the others.
+(``compile_for_training(..., drop_logits=True)``).
+
+TRL's trainers (``trl_sft``, ``trl_grpo``, ``trl_dpo``, see :func:`trl_train`) run at 8192 tokens
+a step, where TRL's own head chunks, as shipped (``trl_head``) and with
+``hand_head_to_tile_pass(trainer)`` (``tile_pass``); the time is their measured step's own.
 
 ``torchtune`` and ``torchtitan`` run at N = 8 x 1024 = 8192 tokens (float32 logits 1000 MiB),
 where their shipped chunked losses split the logits 8 ways: a first step (compiles), the second
