@@ -272,16 +272,21 @@ def test_compiled_tiles_match_oracle(device, reduction):
 def test_ignored_tokens_are_skipped_on_cpu(monkeypatch, reduction):
     """On CPU the tiles run only the labelled tokens (no device sync to find them): 24 of 64
     labelled in tiles of 16 is 2 tile calls, not 4, and loss and gradients stay eager's."""
-    from tile_pass._tile_kernel import TileKernel
+    from tile_pass import tiled_region
 
     rows_run = []
-    original = TileKernel.__call__
+    original = tiled_region._program_kernel
 
-    def spy(self, hidden, *args):
-        rows_run.append(hidden.shape[0])
-        return original(self, hidden, *args)
+    def spy(key):
+        kernel = original(key)
 
-    monkeypatch.setattr(TileKernel, "__call__", spy)
+        def call(hidden, *args):
+            rows_run.append(hidden.shape[0])
+            return kernel(hidden, *args)
+
+        return call
+
+    monkeypatch.setattr(tiled_region, "_program_kernel", spy)
     hidden, weight, _ = make_inputs(64, 8, 40, "cpu")
     target = torch.randint(0, 40, (64,))
     target[torch.randperm(64)[:40]] = -100

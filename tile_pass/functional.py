@@ -23,10 +23,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import operator
 
 import torch
 
-from tile_pass import _tile_buffers, _tiling, _weight_grad
+from tile_pass import _textbook, _tile_buffers, _tiling, _weight_grad
 from tile_pass._higher_order import anchors, refuse_higher_order, scaled_by_upstream
 from tile_pass._logging import log
 from tile_pass._op_results import acc_dtype, empty, fake_grads, grads_or_empty, last_add_if
@@ -647,36 +648,47 @@ def linear_cross_entropy(
             f"{hidden.dtype}, {linear_weight.dtype}, {None if bias is None else bias.dtype}"
         )
     upcast = bool(upcast) and hidden.dtype in (torch.float16, torch.bfloat16)
-    # the head's ops, by name; their numbers travel as numbers (see encode_head_spec)
-    ops, constants = [], []
-    if logit_scale is not None:
-        ops.append(("mul", 0))
-        constants.append(float(logit_scale))
-    if softcap is not None:
-        ops += [("div", len(constants)), ("tanh",), ("mul", len(constants))]
-        constants.append(float(softcap))
-    if upcast:
-        ops.append(("cast", "float32"))
     loss_dtype = torch.float32 if upcast else hidden.dtype
     if soft_targets and target.dtype != loss_dtype:
         raise RuntimeError(
             f"class-probability targets must have the loss's dtype {loss_dtype} (the logits' dtype "
             f"after the upcast), got {target.dtype}"
         )
-    extras = [] if weight is None else [weight.to(loss_dtype) if weight.dtype != loss_dtype else weight]
-    spec = encode_head_spec(ops, class_weight=0 if weight is not None else None, soft_targets=soft_targets)
-    tile = choose_tile_tokens(
-        vocab_size, hidden.dtype, upcast, tile_tokens=tile_tokens, tile_bytes=tile_bytes,
-        device=hidden.device, fused=compile_tiles,
+    if weight is not None and weight.dtype != loss_dtype:
+        weight = weight.to(loss_dtype)
+    if target.dtype == torch.uint8:  # eager accepts Byte class indices; the tile's gather does not
+        target = target.long()
+    for name, tensor in (("weight (class weights)", weight), ("class-probability target", target)):
+        if tensor is not None and tensor.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"tile_pass: the {name} requires grad; the tiled loss differentiates the hidden states, "
+                "the projection and its bias only (detach it, or use F.cross_entropy)"
+            )
+    # Python constants only (Dynamo hands them to an assume_constant_result function): under
+    # dynamic=True the head's sizes and the options are specialised (a guard each; the token
+    # count stays symbolic)
+    options = _textbook.Options(
+        vocab_size=operator.index(vocab_size), hidden_size=operator.index(hidden_size), dtype=hidden.dtype,
+        device=str(hidden.device),
+        has_bias=bias is not None, class_weights=weight is not None, soft_targets=soft_targets,
+        upcast=upcast, logit_scale=_constant_float(logit_scale), softcap=_constant_float(softcap),
+        ignore_index=operator.index(ignore_index), label_smoothing=_constant_float(label_smoothing),
+        reduction=reduction, tile_tokens=_constant_int(tile_tokens), tile_bytes=_constant_int(tile_bytes),
+        compile_tiles=bool(compile_tiles),
     )  # fmt: skip
-    if tile_tokens is None:
-        tile = auto_tile(tile)
-    loss = tiled_region_loss(
-        hidden, linear_weight, bias, target, extras, head_spec=spec, constants=tuple(constants),
-        ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing, tile_tokens=tile,
-        compile_tiles=compile_tiles,
-    )  # fmt: skip
+    loss = _textbook.run(options, hidden, linear_weight, bias, target, weight)
     return loss.view(target_shape) if reduction == "none" else loss
+
+
+def _constant_int(value: int | None) -> int | None:
+    """``value`` as a Python int, specialised if Dynamo made it symbolic."""
+    return None if value is None else operator.index(value)
+
+
+def _constant_float(value: float | None) -> float | None:
+    """``value`` as a Python float, specialised if Dynamo made it symbolic (``float.hex`` needs
+    the number itself; ``float(x)`` and formatting keep it symbolic)."""
+    return None if value is None else float.fromhex(float(value).hex())
 
 
 def _is_dtensor(tensor) -> bool:
