@@ -195,8 +195,7 @@ def _modules():
 
     import tile_pass
 
-    names = ("_tile_kernel", "_tiling", "_weight_grad", "_split_sum_cpu", "functional", "tiled_region",
-             "vocab_parallel")  # fmt: skip
+    names = ("_tile_kernel", "_tiling", "_weight_grad", "_split_sum_cpu", "tiled_region", "vocab_parallel")
     return tile_pass, {name: importlib.import_module(f"tile_pass.{name}") for name in names}
 
 
@@ -213,13 +212,6 @@ def _assert_fake_cuda(t, shape, dtype, what=""):
     assert t.device.type == "cuda", f"{what}: on {t.device}, not cuda"
     assert tuple(t.shape) == tuple(shape), f"{what}: shape {tuple(t.shape)}, expected {tuple(shape)}"
     assert t.dtype == dtype, f"{what}: dtype {t.dtype}, expected {dtype}"
-
-
-def _head_spec(dtype, class_weight=False):
-    from tile_pass._tile_kernel import encode_head_spec
-
-    ops = [("cast", "float32")] if dtype != torch.float32 else []
-    return encode_head_spec(ops, class_weight=0 if class_weight else None)
 
 
 def _assert_no_host_sync(gm: torch.fx.GraphModule, what: str) -> None:
@@ -355,13 +347,35 @@ def _implementations():
     """The custom ops' Python implementations in place of the ops, so that a rewritten graph run
     on fake tensors runs the tile loops (an op on fake tensors runs its fake kernel instead)."""
     _, m = _modules()
-    ops = [("functional", "_linear_ce_reduced"), ("functional", "_linear_ce_tokens"),
-           ("tiled_region", "_row_region_loss"), ("tiled_region", "_row_region"),
-           ("vocab_parallel", "_vocab_parallel_ce")]  # fmt: skip
+    ops = [("tiled_region", "_row_region_loss"), ("tiled_region", "_row_region"),
+           ("tiled_region", "_row_region_backward"), ("vocab_parallel", "_vocab_parallel_ce")]  # fmt: skip
     with contextlib.ExitStack() as stack:
         for module, name in ops:
             stack.enter_context(mock.patch.object(m[module], name, getattr(m[module], name)._init_fn))
         yield
+
+
+@contextlib.contextmanager
+def _recorded_implementations():
+    """:func:`_implementations`, recording each call: ``(op name, args, kwargs, result)``."""
+    _, m = _modules()
+    region_op, calls = m["tiled_region"], []
+
+    def recording(name, implementation):
+        def call(*args, **kwargs):
+            calls.append((name, args, kwargs, implementation(*args, **kwargs)))
+            return calls[-1][3]
+
+        return call
+
+    with _implementations():
+        names = ("_row_region_loss", "_row_region")
+        with contextlib.ExitStack() as stack:
+            for name in names:
+                stack.enter_context(
+                    mock.patch.object(region_op, name, recording(name, getattr(region_op, name)))
+                )
+            yield calls
 
 
 def _capture(fn, inputs, **options):
@@ -531,7 +545,7 @@ def _check_row_region_rewrite(dtype, form, compiled):
             ((args, kwargs),) = calls
             hidden, weight, bias, token_inputs, row_inputs = args
             tangents = [torch.ones(N, dtype=dtype, device=CUDA)]
-            grads = region_op._row_region_backward._init_fn(
+            grads = region_op._row_region_backward(  # its implementation, by _implementations
                 tangents, hidden, weight, bias, token_inputs, row_inputs, **kwargs,
                 need_hidden=True, need_weight=True, need_bias=False,
             )  # fmt: skip
@@ -549,34 +563,59 @@ def _check_row_region_rewrite(dtype, form, compiled):
     return "ok"
 
 
+def _linear_ce_bias_returning_logits(h, w, b, y):
+    logits = F.linear(h, w, b)
+    return F.cross_entropy(logits.float().view(-1, w.shape[0]), y.view(-1), reduction="sum"), logits
+
+
+_PROGRAMS: dict[tuple, str] = {}
+
+
+def _captured_program(fn, inputs) -> str:
+    """The program of ``fn``'s region, registered by a rewrite on fake cuda inputs (once)."""
+    key = (fn.__name__, *inputs)
+    if key not in _PROGRAMS:
+        with mock.patch.object(_modules()[1]["_tiling"], "_free_gpu_memory", lambda device_index: 6 << 30):
+            gm = _capture(fn, inputs)[4]
+        (call,) = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "run_region"]
+        _PROGRAMS[key] = call.kwargs["program"]
+    return _PROGRAMS[key]
+
+
 def _check_tile_kernel(dtype, schedule, variant, compiled):
-    """``tile_kernel`` for a cuda key: traced and differentiated by make_fx on fake cuda tensors,
-    finished without the CPU's rewrites (shared logits buffer, oneDNN GEMMs, huge-page GEMM
-    outputs, row-blocked middles, C loops for the split sum), and run on fake cuda inputs."""
+    """The cross entropy's tile function for a cuda key: traced and differentiated by make_fx on
+    fake cuda tensors, finished without the CPU's rewrites (shared logits buffer, oneDNN GEMMs,
+    huge-page GEMM outputs, row-blocked middles, C loops for the split sum), and run on fake cuda
+    inputs."""
     _quiet()
     _, m = _modules()
-    kernels = m["_tile_kernel"]
-    from tile_pass import _tile_buffers
+    kernels, region_op = m["_tile_kernel"], m["tiled_region"]
+    from tile_pass import _region, _tile_buffers
 
     T, H, V = 96, 64, 1000
-    bias, keep = (True, 0) if variant == "bias+logits" else (False, -1)
-    ops = (("cast", "float32"),) if dtype != torch.float32 else ()
-    key = kernels.KernelKey(
-        head=kernels.LossHead(ops, ignore_index=-100, label_smoothing=0.1), tile=T, hidden_size=H,
-        vocab_size=V, hidden_dtype=dtype, weight_dtype=dtype, bias_dtype=dtype if bias else None,
-        target_dtype=torch.int64, extras=(), device=CUDA, need_hidden=True, need_weight=True,
-        need_bias=bias, acc_dtype=torch.float32, keep_logits_after=keep, compiled=compiled,
-        onednn=kernels.onednn_gemms_apply(CUDA), weight_grad=schedule,
+    bias = variant == "bias+logits"
+    if bias:
+        fn, inputs = _linear_ce_bias_returning_logits, [((2, 48, H), dtype), ((V, H), dtype), ((V,), dtype)]
+    else:
+        fn, inputs = _linear_ce, [((2, 48, H), dtype), ((V, H), dtype)]
+    program = _region.lookup(_captured_program(fn, [*inputs, ((2, 48), V)]))
+    key = region_op.ProgramKernelKey(
+        program=program.key, tile=T, hidden_size=H, hidden_dtype=dtype, weight_dtype=dtype,
+        bias_dtype=dtype if bias else None, token_inputs=(((), torch.int64),), row_inputs=(),
+        tangents=tuple(i for i, out in enumerate(program.outputs) if out.differentiable), device=CUDA,
+        need_hidden=True, need_weight=True, need_bias=bias, acc_dtype=torch.float32, compiled=compiled,
+        onednn=kernels.onednn_gemms_apply(CUDA), weight_grad="float32" if schedule == "sum" else schedule,
+        vocab_size=V,
     )  # fmt: skip
     assert key.onednn is False
     context = _recorded_inductor() if compiled else contextlib.nullcontext([])
     with context as handed:
-        kernel = kernels.tile_kernel(key)
-        graphs = [g for g in kernel.graph_module.modules() if isinstance(g, torch.fx.GraphModule)]
+        kernel = region_op._program_kernel(key)
+        graphs = [g for g in kernel.modules() if isinstance(g, torch.fx.GraphModule)]
         targets = {n.target for g in graphs for n in g.graph.nodes}
         cpu_only = {_tile_buffers.mm, _tile_buffers.addmm, _tile_buffers.fresh_mm, kernels._onednn_mm}
         assert not targets & cpu_only, targets & cpu_only
-        modules = list(kernel.graph_module.modules())
+        modules = list(kernel.modules())
         assert not any(isinstance(g, kernels._RowBlocked) for g in modules)
         for g in graphs[:1]:
             for n in g.graph.nodes:
@@ -591,30 +630,31 @@ def _check_tile_kernel(dtype, schedule, variant, compiled):
             for add in g.add.adds.values() if compiled else ():
                 assert "_checked" not in add.__qualname__, "a CPU C loop adds into cuda planes"
         if compiled:
-            assert type(kernel.graph_module.submod_1).__name__ == "_Compiled"
+            assert type(kernel.submod_1).__name__ == "_Compiled"
             _assert_middles_for_cuda(handed, "tile middle")
         with _fake_mode():
-            h = torch.randn(T, H, dtype=dtype, device=CUDA)
-            w = torch.randn(V, H, dtype=dtype, device=CUDA)
-            b = torch.randn(V, dtype=dtype, device=CUDA) if bias else None
-            y = torch.randint(0, V, (T,), device=CUDA)
-            coef = torch.rand(T, device=CUDA)
-            if schedule == "split":
-                weight_acc = m["_weight_grad"].unwritten_planes((V, H), CUDA)
-            else:
-                weight_acc = torch.zeros(V, H, device=CUDA) if schedule == "sum" else None
-            bias_acc = torch.zeros(V, device=CUDA) if bias else None
-            losses, grad_h, kept, grad_w = kernel(h, w, b, y, [], coef, weight_acc, bias_acc)
-            _assert_fake_cuda(losses, (T,), torch.float32, "losses")
-            _assert_fake_cuda(grad_h, (T, H), dtype, "hidden gradient")
-            if keep >= 0:
-                _assert_fake_cuda(kept, (T, V), dtype, "kept logits")
-            else:
-                assert kept is None
+            inputs = []
+            for shape, kind in region_op._kernel_inputs(key, program):
+                if kind == torch.int64:
+                    inputs.append(torch.randint(0, V, shape, device=CUDA))
+                else:
+                    inputs.append(torch.zeros(shape, dtype=kind, device=CUDA))
+            if schedule == "split":  # the planes of a fresh sum, as the tile loop makes them
+                planes = [
+                    i
+                    for i, (_, kind) in enumerate(region_op._kernel_inputs(key, program))
+                    if kind == torch.int16
+                ]
+                for i, plane in zip(planes, m["_weight_grad"].unwritten_planes((V, H), CUDA), strict=True):
+                    inputs[i] = plane
+            result = list(kernel(*inputs))
+            for out in program.outputs:
+                value = result.pop(0)
+                _assert_fake_cuda(value, (T, *_region.row_part(out.layout, V)), out.dtype, f"output {out}")
+            _assert_fake_cuda(result.pop(0), (T, H), dtype, "hidden gradient")
             if schedule == "direct":
-                _assert_fake_cuda(grad_w, (V, H), dtype, "weight gradient of the only tile")
-            else:
-                assert grad_w is None
+                _assert_fake_cuda(result.pop(0), (V, H), dtype, "weight gradient of the only tile")
+            assert not result
     return "ok"
 
 
@@ -675,62 +715,51 @@ def _check_program_kernel(dtype, compiled):
 
 
 def _loop_inputs(N, H, V, dtype, bias=False, class_weights=False):
-    h = torch.randn(N, H, dtype=dtype, device=CUDA)
-    w = torch.randn(V, H, dtype=dtype, device=CUDA)
-    b = torch.randn(V, dtype=dtype, device=CUDA) if bias else None
+    h = torch.randn(N, H, dtype=dtype, device=CUDA, requires_grad=True)
+    w = torch.randn(V, H, dtype=dtype, device=CUDA, requires_grad=True)
+    b = torch.randn(V, dtype=dtype, device=CUDA, requires_grad=True) if bias else None
     y = torch.randint(0, V, (N,), device=CUDA)  # values unknown: the loop cannot skip or check labels
-    extras = [torch.rand(V, device=CUDA)] if class_weights else []
-    return h, w, b, y, extras
+    class_weights = torch.rand(V, device=CUDA) if class_weights else None
+    return h, w, b, y, class_weights
 
 
 def _check_tile_loops(dtype, reduction, compiled):
-    """The tile loop (the custom ops' implementations) on fake cuda inputs for each reduction, with
-    returned logits, a bias and class weights: every result on the device with its shape and
-    dtype, every token in the tiles, a short last tile padded, and no host synchronisation."""
+    """``tile_pass.linear_cross_entropy`` (its region's tile loop, the custom ops'
+    implementations) on fake cuda inputs for each reduction, with a bias, class weights and label
+    smoothing: every result on the device with its shape and dtype, every token in the tiles
+    (no label is read on the device: a fake tensor would raise), a short last tile, and the
+    gradients."""
+    tile_pass, m = _modules()
     _quiet()
-    _, m = _modules()
-    loss_op, tiling = m["functional"], m["_tiling"]
+    tiling = m["_tiling"]
     N, H, V = 300, 64, 1000
-    tile = tiling.auto_tile(128)  # tiles of 128: two whole and a short one of 44 rows
     label_smoothing = 0.1 if reduction == "mean" else 0.0
     context = _recorded_inductor() if compiled else contextlib.nullcontext([])
-    with context as handed, _fake_mode():
-        # the CPU-only steps decline on the device, without reading the labels (that would raise)
-        y = torch.randint(0, V, (N,), device=CUDA)
-        assert loss_op._labelled_rows(y, -100, -1) is None
-        head = m["_tile_kernel"].LossHead.from_spec(_head_spec(dtype), -100, 0.0)
-        assert loss_op._check_labels(y, V, head) is None
-        if reduction == "none":
-            h, w, b, y, extras = _loop_inputs(N, H, V, dtype, bias=True)
-            spec = _head_spec(dtype)
-            options = (spec, [], -100, 0.0, tile, compiled)
-            losses = loss_op._linear_ce_tokens._init_fn(h, w, b, y, extras, *options)
-            _assert_fake_cuda(losses, (N,), torch.float32, "per-token losses")
-            assert tiling.last_tiles[:3] == (N, 3, 128), tiling.last_tiles
-            grad_tokens = torch.randn(N, device=CUDA)
-            grads = loss_op._linear_ce_tokens_backward._init_fn(
-                grad_tokens, h, w, b, y, extras, *options, True, True, True
-            )
-            shapes = [((N, H), dtype), ((V, H), dtype), ((V,), dtype)]
-            for grad, (shape, kind), what in zip(grads, shapes, ("hidden", "weight", "bias"), strict=True):
-                _assert_fake_cuda(grad, shape, kind, f"{what} gradient (vector-Jacobian product)")
-        else:
-            for keep in (-1, 0):
-                class_weights = bias = reduction == "sum"
-                h, w, b, y, extras = _loop_inputs(N, H, V, dtype, bias=bias, class_weights=class_weights)
-                spec = _head_spec(dtype, class_weight=class_weights)
-                loss, grad_h, grad_w, grad_b, logits = loss_op._linear_ce_reduced._init_fn(
-                    h, w, b, y, extras, spec, [], -100, label_smoothing, reduction == "mean", tile, compiled,
-                    True, True, b is not None, keep,
+    with context as handed, _recorded_implementations() as calls, _patch_cuda_memory(6 << 30), _fake_mode():
+        for bias, class_weights in ((False, False), (True, reduction != "none")):
+            calls.clear()
+            h, w, b, y, cw = _loop_inputs(N, H, V, dtype, bias=bias, class_weights=class_weights)
+            loss = tile_pass.linear_cross_entropy(
+                h, w, y, linear_bias=b, weight=cw, reduction=reduction, label_smoothing=label_smoothing,
+                tile_tokens=128, compile_tiles=compiled,
+            )  # fmt: skip
+            _assert_fake_cuda(loss, (N,) if reduction == "none" else (), torch.float32, "loss")
+            rows, tiles, loop_tile, schedule = tiling.last_tiles  # tiles of 128: two and one of 44 rows
+            assert (rows, tiles, loop_tile) == (N, 3, 128), tiling.last_tiles
+            ((name, args, kwargs, result),) = calls
+            leaves = [t for t in (h, w, b) if t is not None]
+            if reduction == "none":  # the vector-Jacobian product re-runs the tiles
+                assert name == "_row_region"
+                grads = m["tiled_region"]._row_region_backward(
+                    [torch.ones(N, device=CUDA)], *args, **kwargs,
+                    need_hidden=True, need_weight=True, need_bias=b is not None,
                 )  # fmt: skip
-                _assert_fake_cuda(loss, (), torch.float32, "loss")
-                _assert_fake_cuda(grad_h, (N, H), dtype, "hidden gradient")
-                _assert_fake_cuda(grad_w, (V, H), dtype, "weight gradient")
-                _assert_fake_cuda(grad_b, (V,) if b is not None else (0,), dtype, "bias gradient")
-                _assert_fake_cuda(logits, (N, V) if keep >= 0 else (0,), dtype, "returned logits")
-                rows, tiles, loop_tile, schedule = tiling.last_tiles
-                assert (rows, tiles, loop_tile) == (N, 3, 128), tiling.last_tiles
+            else:  # the gradients at unit upstream gradient, formed in forward
+                assert name == "_row_region_loss" and kwargs["need_bias"] == (b is not None)
                 assert schedule == ("split" if dtype == torch.bfloat16 else "float32"), schedule
+                grads = result[1:4]
+            for grad, leaf, what in zip(grads, leaves, ("hidden", "weight", "bias"), strict=False):
+                _assert_fake_cuda(grad, leaf.shape, dtype, f"{what} gradient")
     if compiled:
         _assert_middles_for_cuda(handed, "tile loop")
     return "ok"
@@ -740,9 +769,9 @@ def _check_tile_loop_plan(dtype):
     """A 128k-vocabulary step (N=8192) on an 80 GiB device: the budget is capped at 4 GiB, and
     the loop runs the tile and the weight-gradient schedule that ``_weight_grad.plan`` gives
     (``_check_planning`` plans the benchmark's H=4096; a narrow H keeps the fake blocks few)."""
+    tile_pass, m = _modules()
     _quiet()
-    _, m = _modules()
-    loss_op, tiling, weight_grad = m["functional"], m["_tiling"], m["_weight_grad"]
+    tiling, weight_grad = m["_tiling"], m["_weight_grad"]
     N, H, V = 8192, 8, 128256
     upcast = dtype != torch.float32
     with _patch_cuda_memory(80 << 30):
@@ -752,59 +781,61 @@ def _check_tile_loop_plan(dtype):
     now = tiling.effective_tile(N, tiling.auto_tile(largest))
     tile, schedule = weight_grad.plan(N, now, largest, (V, H), dtype, torch.float32, per_token, N)
     assert schedule == ("split" if upcast else "float32")
-    with _recorded_inductor() as handed, _fake_mode():
+    memory = _patch_cuda_memory(80 << 30)
+    with _recorded_inductor() as handed, _recorded_implementations() as calls, memory, _fake_mode():
         h, w, _, y, _ = _loop_inputs(N, H, V, dtype)
-        out = loss_op._linear_ce_reduced._init_fn(
-            h, w, None, y, [], _head_spec(dtype), [], -100, 0.0, True, tiling.auto_tile(largest), True,
-            True, True, False, -1,
-        )  # fmt: skip
-        _assert_fake_cuda(out[0], (), torch.float32, "loss")
-        _assert_fake_cuda(out[1], (N, H), dtype, "hidden gradient")
-        _assert_fake_cuda(out[2], (V, H), dtype, "weight gradient")
+        loss = tile_pass.linear_cross_entropy(h, w, y, compile_tiles=True)
+        _assert_fake_cuda(loss, (), torch.float32, "loss")
+        ((_, _, _, result),) = calls
+        _assert_fake_cuda(result[1], (N, H), dtype, "hidden gradient")
+        _assert_fake_cuda(result[2], (V, H), dtype, "weight gradient")
     assert tiling.last_tiles == (N, -(-N // tile), tile, schedule), (tiling.last_tiles, tile, schedule)
     _assert_middles_for_cuda(handed, "128k-vocabulary step")
     return "ok"
 
 
 def _check_traced_loops(dtype, compiled):
-    """make_fx of the loops' implementations (mean with the split sum for bfloat16, the per-token
-    forward and backward, a row region's backward) on fake cuda inputs: no op syncs with the host,
-    and no tensor is made or copied on the CPU."""
+    """make_fx of the region ops ``tile_pass.linear_cross_entropy`` calls, run as their
+    implementations (mean with a bias and label smoothing, the split sum for bfloat16; per-token
+    losses and their vector-Jacobian product) on fake cuda inputs: no op syncs with the host, and
+    no tensor is made or copied on the CPU."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    tile_pass, _ = _modules()
     _quiet()
-    _, m = _modules()
-    loss_op, tiling = m["functional"], m["_tiling"]
     N, H, V = 300, 64, 1000
-    tile = tiling.auto_tile(128)
-    spec = _head_spec(dtype)
-    with _fake_mode():
-        h, w, b, y, _ = _loop_inputs(N, H, V, dtype, bias=True)
-        grad_tokens = torch.randn(N, device=CUDA)
 
-    def reduced(h, w, b, y):
-        return loss_op._linear_ce_reduced._init_fn(
-            h, w, b, y, [], spec, [], -100, 0.1, True, tile, compiled, True, True, True, 0
-        )
+    region_op = _modules()[1]["tiled_region"]
+    flags = dict(need_hidden=True, need_weight=True, need_bias=True)
 
-    def tokens(h, w, b, y):
-        return loss_op._linear_ce_tokens._init_fn(h, w, b, y, [], spec, [], -100, 0.0, tile, compiled)
-
-    def tokens_backward(g, h, w, b, y):
-        return loss_op._linear_ce_tokens_backward._init_fn(
-            g, h, w, b, y, [], spec, [], -100, 0.0, tile, compiled, True, True, True
-        )
+    def calls_to_trace(name, args, kwargs, mode):
+        implementation = getattr(region_op, name)
+        yield name, lambda *a: implementation(*a, **kwargs), args
+        if name == "_row_region":  # and its vector-Jacobian product
+            with mode:
+                tangents = [torch.ones(N, device=CUDA)]
+            backward = region_op._row_region_backward
+            yield "_row_region_backward", lambda t, *a: backward(t, *a, **kwargs, **flags), (tangents, *args)
 
     context = _recorded_inductor() if compiled else contextlib.nullcontext([])
-    with context:
-        calls = [(reduced, (h, w, b, y)), (tokens, (h, w, b, y))]
-        calls.append((tokens_backward, (grad_tokens, h, w, b, y)))
-        for fn, args in calls:
-            traced = make_fx(fn, tracing_mode="fake")(*args)
-            gemm_ops = (aten.mm.default, aten.addmm.default, aten.addmm_.default)
-            gemms = [n for n in traced.graph.nodes if n.target in gemm_ops]
-            assert len(gemms) >= 3, f"{fn.__name__}: the tiles were not traced"
-            _assert_no_host_sync(traced, fn.__name__)
+    with context, _recorded_implementations() as calls, _patch_cuda_memory(6 << 30):
+        for reduction in ("mean", "none"):
+            calls.clear()
+            mode = _fake_mode()
+            with mode:  # the call the functional API makes: its region op and arguments
+                h, w, b, y, _ = _loop_inputs(N, H, V, dtype, bias=True)
+                smoothing = 0.1 if reduction == "mean" else 0.0
+                tile_pass.linear_cross_entropy(
+                    h, w, y, linear_bias=b, reduction=reduction, label_smoothing=smoothing, tile_tokens=128,
+                    compile_tiles=compiled,
+                )  # fmt: skip
+            ((name, args, kwargs, _),) = calls
+            for what, fn, fn_args in calls_to_trace(name, args, kwargs, mode):
+                traced = make_fx(fn, tracing_mode="fake")(*fn_args)
+                gemm_ops = (aten.mm.default, aten.addmm.default, aten.addmm_.default)
+                gemms = [n for n in traced.graph.nodes if n.target in gemm_ops]
+                assert len(gemms) >= 3, f"{what}: the tiles were not traced"
+                _assert_no_host_sync(traced, what)
     return "ok"
 
 

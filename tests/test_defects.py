@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tile_pass
-from tile_pass import _tile_kernel, _tiling
-from tile_pass.functional import _linear_ce_reduced, _linear_ce_tokens, _linear_ce_tokens_backward
+from tile_pass import _textbook, _tile_kernel, _tiling
+from tile_pass.tiled_region import _row_region, _row_region_backward, _row_region_loss
 
 # ------------------------------------------------------------------ 1. double backward
 
@@ -161,22 +161,35 @@ def test_fake_implementations_agree_with_the_real_ops(layout, need):
     of every output (the stride mismatch that crashed Inductor was one of these)."""
     hidden, weight, target = layout_inputs(layout, 21, 8, 13, torch.float32, "cpu", seed=1)
     bias = torch.randn(13) if need[2] else None
-    need_bias = need[2]
-    options = ("[]", [], -100, 0.0)
-    for mean in (True, False):
-        args = (hidden, weight, bias, target, [], *options, mean, 8, False, need[0], need[1], need_bias, -1)
-        torch.library.opcheck(_linear_ce_reduced, args, test_utils=("test_faketensor",))
-    torch.library.opcheck(
-        _linear_ce_tokens,
-        (hidden, weight, bias, target, [], *options, 8, False),
-        test_utils=("test_faketensor",),
-    )
-    grad = torch.randn(21)
-    args = (grad, hidden, weight, bias, target, [], *options, 8, False, need[0], need[1], need_bias)
-    torch.library.opcheck(_linear_ce_tokens_backward, args, test_utils=("test_faketensor",))
-    # the returned-logits buffer and a non-empty constant list
-    args = (hidden, weight, bias, target, [], '[["mul", 0]]', [0.5], -100, 0.0, True, 8, False, *need, 1)
-    torch.library.opcheck(_linear_ce_reduced, args, test_utils=("test_faketensor",))
+    flags = dict(need_hidden=need[0], need_weight=need[1], need_bias=need[2])
+    for reduction, scale in (("mean", None), ("sum", 0.5), ("none", None)):
+        options = _textbook.Options(
+            13, 8, torch.float32, "cpu", bias is not None, False, False, False, scale, None, -100, 0.0,
+            reduction, 8, None, False,
+        )  # fmt: skip
+        program = _program_of(options)
+        common = dict(program=program, tile_tokens=8, compile_tiles=False)
+        fake = ("test_faketensor",)
+        if reduction != "none":  # the scalar loss, its gradient formed in forward
+            args = (hidden, weight, bias, [target], [], [target, hidden])
+            torch.library.opcheck(
+                _row_region_loss, args, {**common, **flags}, test_utils=("test_faketensor",)
+            )
+            continue
+        args = (hidden, weight, bias, [target], [])
+        torch.library.opcheck(_row_region, args, common, test_utils=fake)
+        args = ([torch.randn(21)], hidden, weight, bias, [target], [])
+        torch.library.opcheck(
+            _row_region_backward, args, {**common, **flags}, test_utils=("test_faketensor",)
+        )
+
+
+def _program_of(options) -> str:
+    """The program key the rewritten textbook graph of ``options`` calls its region with."""
+    from tile_pass.tiled_region import run_region
+
+    graph = _textbook._build(options).graph
+    return next(n for n in graph.nodes if n.target is run_region).kwargs["program"]
 
 
 def _eager(hidden, weight, target, bias, reduction, label_smoothing):

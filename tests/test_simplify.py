@@ -7,50 +7,26 @@ import copy
 
 import pytest
 import torch
+from tile_kernels import V, call, ce_key, make_inputs
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tile_pass import _simplify, _tile_kernel
-from tile_pass._tile_kernel import KernelKey, LossHead, tile_kernel
 
 aten = torch.ops.aten
-T, H, V = 32, 16, 96
 
 
-def key_for(dtype, ops=(), label_smoothing=0.0, class_weights=False):
-    return KernelKey(
-        head=LossHead(tuple(ops), -100, label_smoothing, class_weight=0 if class_weights else -1),
-        tile=T,
-        hidden_size=H,
-        vocab_size=V,
-        hidden_dtype=dtype,
-        weight_dtype=dtype,
-        bias_dtype=None,
-        target_dtype=torch.int64,
-        extras=(((V,), torch.float32),) if class_weights else (),
-        device=torch.device("cpu"),
-        need_hidden=True,
-        need_weight=True,
-        need_bias=False,
-        acc_dtype=torch.float32,
-        compiled=True,
-    )
+def key_for(dtype, upcast=False, label_smoothing=0.0, class_weights=False):
+    return ce_key(dtype, upcast=upcast, label_smoothing=label_smoothing, class_weights=class_weights)
 
 
 def tile_outputs(key):
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(T, H, generator=gen).to(key.hidden_dtype)
-    weight = torch.randn(V, H, generator=gen).to(key.weight_dtype)
-    target = torch.randint(0, V, (T,), generator=gen)
-    target[::5] = -100
+    hidden, weight, bias, target, coef, weight_acc, _ = make_inputs(key)
     target[1::7] = 3  # the class of zero weight below
-    extras = []
-    if key.head.class_weight >= 0:
-        class_weights = torch.rand(V, generator=gen)
+    class_weights = None
+    if key.row_inputs:
+        class_weights = torch.rand(V, generator=torch.Generator().manual_seed(1))
         class_weights[3] = 0.0
-        extras = [class_weights]
-    coef = torch.rand(T, generator=gen)
-    weight_acc = torch.randn(V, H, generator=gen)
-    losses, grad_hidden, _, _ = tile_kernel(key)(hidden, weight, None, target, extras, coef, weight_acc, None)
+    (losses,), grad_hidden, _ = call(key, hidden, weight, bias, target, coef, weight_acc, None, class_weights)
     return losses, grad_hidden, weight_acc
 
 
@@ -83,7 +59,7 @@ class Rewrites(list):
 
 CASES = {
     "float32": dict(dtype=torch.float32),
-    "bf16-upcast": dict(dtype=torch.bfloat16, ops=(("cast", "float32"),)),
+    "bf16-upcast": dict(dtype=torch.bfloat16, upcast=True),
     "bf16": dict(dtype=torch.bfloat16),
     "class-weights": dict(dtype=torch.float32, class_weights=True),
 }

@@ -3,7 +3,6 @@ and CPU float32 tiles run their GEMMs through oneDNN."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -12,85 +11,38 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_no_worse_than_eager
+from tile_kernels import T, V, call, ce_key, graph_calls, kernel, make_inputs, replace, run
 
 import tile_pass
 from tile_pass import _settings, _tile_buffers, _tile_kernel
 from tile_pass._settings import CPU_GEMM_ENV
 from tile_pass._tile_kernel import (
-    KernelKey,
-    LossHead,
     _BlockedUpcastAccumulate,
     _Compiled,
     _onednn_mm,
     onednn_gemms_apply,
-    tile_kernel,
 )
+from tile_pass.tiled_region import ProgramKernelKey
 
-T, H, V = 32, 16, 96
-
-
-def key_for(
-    dtype,
-    ops=(),
-    constants=(),
-    bias=False,
-    keep_logits_after=-1,
-    compiled=True,
-    need_hidden=True,
-    onednn=False,
-):
-    return KernelKey(
-        head=LossHead(tuple(ops), ignore_index=-100, label_smoothing=0.1, constants=constants),
-        tile=T,
-        hidden_size=H,
-        vocab_size=V,
-        hidden_dtype=dtype,
-        weight_dtype=dtype,
-        bias_dtype=dtype if bias else None,
-        target_dtype=torch.int64,
-        extras=(),
-        device=torch.device("cpu"),
-        need_hidden=need_hidden,
-        need_weight=True,
-        need_bias=bias,
-        acc_dtype=torch.float32,
-        keep_logits_after=keep_logits_after,
-        compiled=compiled,
-        onednn=onednn,
-    )
+H = 16
 
 
-def make_inputs(key, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    dtype = key.hidden_dtype
-    hidden = torch.randn(T, H, generator=gen).to(dtype)
-    weight = torch.randn(V, H, generator=gen).to(dtype)
-    bias = torch.randn(V, generator=gen).to(dtype) if key.bias_dtype is not None else None
-    target = torch.randint(0, V, (T,), generator=gen)
-    target[::5] = -100
-    coef = torch.rand(T, generator=gen)
-    weight_acc = torch.randn(V, H, generator=gen)  # accumulation adds to what is there
-    bias_acc = torch.randn(V, generator=gen) if bias is not None else None
-    return hidden, weight, bias, target, [], coef, weight_acc, bias_acc
-
-
-def run(key):
-    """(losses, grad hidden, weight sum, bias sum, kept logits) of one tile."""
-    inputs = make_inputs(key)
-    losses, grad_hidden, kept, _ = tile_kernel(key)(*inputs)
-    return losses, grad_hidden, inputs[6], inputs[7], kept
+def key_for(dtype, upcast=False, softcap=None, bias=False, returns_logits=False, compiled=True,
+            need_hidden=True, onednn=False):  # fmt: skip
+    return ce_key(dtype, upcast=upcast, softcap=softcap, bias=bias, returns_logits=returns_logits,
+                  compiled=compiled, need_hidden=need_hidden, onednn=onednn)  # fmt: skip
 
 
 def middle_of(key):
-    middle = tile_kernel(key).graph_module.get_submodule("submod_1")
+    middle = kernel(key).get_submodule("submod_1")
     assert isinstance(middle, _Compiled)
     return middle
 
 
 CASES = {
     "float32": dict(dtype=torch.float32),
-    "bf16-upcast-bias": dict(dtype=torch.bfloat16, ops=(("cast", "float32"),), bias=True),
-    "softcap": dict(dtype=torch.float32, ops=(("div", 0), ("tanh",), ("mul", 0)), constants=(30.0,)),
+    "bf16-upcast-bias": dict(dtype=torch.bfloat16, upcast=True, bias=True),
+    "softcap": dict(dtype=torch.float32, softcap=30.0),
     "no-hidden-grad": dict(dtype=torch.float32, need_hidden=False),
 }
 
@@ -134,7 +86,7 @@ def test_compiled_middle_in_row_blocks_is_the_whole_tiles_middle(case, monkeypat
 
 def test_returned_logits_keep_their_own_buffer():
     """A graph that also returns the logits needs them intact: no overwrite there."""
-    key = key_for(torch.float32, keep_logits_after=0)
+    key = key_for(torch.float32, returns_logits=True)
     assert middle_of(key).overwritten is None
     hidden, weight, *_ = make_inputs(key)
     kept = run(key)[4]
@@ -148,13 +100,12 @@ def test_logits_gemm_writes_the_loops_shared_buffer(compiled):
     routed to oneDNN keeps its own."""
     shared = (_tile_buffers.mm, _tile_buffers.addmm)
     for key, expected in [
-        (key_for(torch.bfloat16, ops=(("cast", "float32"),), compiled=compiled), True),
+        (key_for(torch.bfloat16, upcast=True, compiled=compiled), True),
         (key_for(torch.bfloat16, bias=True, compiled=compiled), True),
-        (key_for(torch.bfloat16, keep_logits_after=0, compiled=compiled), True),
+        (key_for(torch.bfloat16, returns_logits=True, compiled=compiled), True),
         (key_for(torch.float32, compiled=compiled, onednn=onednn_gemms_apply(torch.device("cpu"))), None),
     ]:
-        kernel = tile_kernel(key)
-        uses = [n for target in shared for n in graph_calls(kernel, target)]
+        uses = [n for target in shared for n in graph_calls(kernel(key), target)]
         if expected is None:
             expected = not key.onednn
         assert bool(uses) == expected, key
@@ -220,7 +171,7 @@ def test_a_shorter_tile_takes_a_prefix_of_the_shared_buffer():
 def test_half_precision_weight_gradient_is_added_by_a_compiled_kernel():
     """bf16 tile gradient into the float32 sum: one fused Inductor pass, not eager mixed-dtype add_."""
     key = key_for(**CASES["bf16-upcast-bias"])
-    modules = dict(tile_kernel(key).graph_module.named_modules())
+    modules = dict(kernel(key).named_modules())
     assert any(name.rsplit(".", 1)[-1].startswith("_accumulate_") for name in modules)
     eager_adds = [
         node
@@ -245,7 +196,7 @@ def test_short_last_tile_runs_the_next_power_of_two_kernel():
     tiles = {
         k.tile
         for k in _tile_kernel._cache
-        if isinstance(k, _tile_kernel.KernelKey) and k.hidden_size == 8 and k.vocab_size == 50
+        if isinstance(k, ProgramKernelKey) and k.hidden_size == 8 and k.vocab_size == 50
     }
     assert {64, 32} <= tiles and 128 not in tiles
     expected = torch.nn.functional.cross_entropy(hidden @ weight.T, target)
@@ -263,7 +214,7 @@ def test_half_precision_weight_gradient_is_formed_in_row_blocks(monkeypatch):
     monkeypatch.setattr(_tile_kernel, "UPCAST_BLOCK_BYTES", 40 * H * 2)
     options = CASES["bf16-upcast-bias"]
     key = key_for(**options)
-    blocked = [m for m in tile_kernel(key).graph_module.modules() if isinstance(m, _BlockedUpcastAccumulate)]
+    blocked = [m for m in kernel(key).modules() if isinstance(m, _BlockedUpcastAccumulate)]
     assert len(blocked) == 1 and blocked[0].rows == 40 and set(blocked[0].adds) == {40, 16}
     compiled = run(key)
     eager = run(key_for(**options, compiled=False))
@@ -271,11 +222,6 @@ def test_half_precision_weight_gradient_is_formed_in_row_blocks(monkeypatch):
         if want is not None:
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(compiled[2], eager[2], rtol=1e-5, atol=1e-5)  # the float32 weight sum
-
-
-def graph_calls(kernel, target):
-    modules = [m for m in kernel.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
-    return [n for m in modules for n in m.graph.nodes if n.target is target]
 
 
 needs_onednn = pytest.mark.skipif(
@@ -288,14 +234,14 @@ needs_onednn = pytest.mark.skipif(
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_float32_gemms_run_through_onednn_and_match_aten(compiled, bias):
     key = key_for(torch.float32, bias=bias, compiled=compiled, onednn=True)
-    aten_key = dataclasses.replace(key, onednn=False)
+    aten_key = replace(key, onednn=False)
     # the logits GEMM (with its bias) and the hidden-gradient GEMM; the in-place weight
     # gradient addmm_ stays aten's
-    assert len(graph_calls(tile_kernel(key), _onednn_mm)) == 2
-    assert not graph_calls(tile_kernel(key), torch.ops.aten.mm.default)
-    assert not graph_calls(tile_kernel(key), torch.ops.aten.addmm.default)
-    assert len(graph_calls(tile_kernel(key), torch.ops.aten.addmm_.default)) == 1
-    assert not graph_calls(tile_kernel(aten_key), _onednn_mm)
+    assert len(graph_calls(kernel(key), _onednn_mm)) == 2
+    assert not graph_calls(kernel(key), torch.ops.aten.mm.default)
+    assert not graph_calls(kernel(key), torch.ops.aten.addmm.default)
+    assert len(graph_calls(kernel(key), torch.ops.aten.addmm_.default)) == 1
+    assert not graph_calls(kernel(aten_key), _onednn_mm)
     for got, want in zip(run(key), run(aten_key), strict=True):
         if want is None:
             assert got is None
@@ -305,8 +251,8 @@ def test_float32_gemms_run_through_onednn_and_match_aten(compiled, bias):
 
 @needs_onednn
 def test_half_precision_gemms_stay_aten():
-    key = key_for(torch.bfloat16, ops=(("cast", "float32"),), onednn=True)
-    assert not graph_calls(tile_kernel(key), _onednn_mm)
+    key = key_for(torch.bfloat16, upcast=True, onednn=True)
+    assert not graph_calls(kernel(key), _onednn_mm)
 
 
 def test_onednn_mm_falls_back_to_aten_where_onednn_does_not_apply():
@@ -359,11 +305,11 @@ def test_kernel_caches_are_bounded_and_clearable(monkeypatch):
     cache.put(5, "5")
     assert list(cache) == [3, 5] and cache.get(0) is None
     key = key_for(**CASES["float32"], compiled=False)
-    tile_kernel(key)
+    kernel(key)
     assert key in list(_tile_kernel._cache)
     tile_pass.clear_caches()
     assert len(_tile_kernel._cache) == 0 and len(_tile_kernel._compiled_adds) == 0
-    assert tile_kernel(key) is not None  # rebuilt on next use
+    assert kernel(key) is not None  # rebuilt on next use
 
 
 def _vm_flags(tensor: torch.Tensor) -> set[str]:
@@ -413,13 +359,13 @@ def test_only_a_returned_weight_gradient_gets_a_buffer_of_its_own():
     returned hidden gradient; a weight gradient summed across tiles is not."""
     _tile_kernel.clear_caches()
     try:
-        summed = key_for(torch.bfloat16, ops=(("cast", "float32"),))
-        direct = dataclasses.replace(summed, weight_grad="direct")
-        assert len(graph_calls(tile_kernel(direct), _tile_buffers.fresh_mm)) == 2  # dW and dh
-        assert len(graph_calls(tile_kernel(summed), _tile_buffers.fresh_mm)) == 1  # dh
-        losses, grad_hidden, _, grad_weight = tile_kernel(direct)(*make_inputs(direct)[:6], None, None)
-        eager = dataclasses.replace(direct, compiled=False)
-        want = tile_kernel(eager)(*make_inputs(eager)[:6], None, None)
-        torch.testing.assert_close(grad_weight, want[3], rtol=0, atol=0)
+        summed = key_for(torch.bfloat16, upcast=True)
+        direct = replace(summed, weight_grad="direct")
+        assert len(graph_calls(kernel(direct), _tile_buffers.fresh_mm)) == 2  # dW and dh
+        assert len(graph_calls(kernel(summed), _tile_buffers.fresh_mm)) == 1  # dh
+        _, _, grad_weight = call(direct, *make_inputs(direct))
+        eager = replace(direct, compiled=False)
+        _, _, want = call(eager, *make_inputs(eager))
+        torch.testing.assert_close(grad_weight, want, rtol=0, atol=0)
     finally:
         _tile_kernel.clear_caches()

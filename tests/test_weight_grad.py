@@ -4,7 +4,6 @@ schedule's sum, 4 bytes per weight instead of 6, no ``[V, H]`` temporary in the 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import pytest
 import torch
@@ -167,13 +166,11 @@ def test_split_schedule_equals_the_float32_schedule_and_eager(
 
 def test_compiled_tile_has_no_weight_sized_temporary():
     """The tile adds its weight gradient block by block into the planes: no [V, H] product."""
-    key = _tile_kernel.KernelKey(
-        head=_tile_kernel.LossHead((("cast", "float32"),), -100, 0.0),
-        tile=32, hidden_size=16, vocab_size=96, hidden_dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
-        bias_dtype=None, target_dtype=torch.int64, extras=(), device=torch.device("cpu"), need_hidden=True,
-        need_weight=True, need_bias=False, acc_dtype=torch.float32, weight_grad="split",
-    )  # fmt: skip
-    gm = _tile_kernel.tile_kernel(key).graph_module
+    from tile_kernels import ce_key, kernel
+
+    key = ce_key(torch.bfloat16, upcast=True, label_smoothing=0.0, weight_grad="split", tile=32, hidden=16,
+                 vocab=96)  # fmt: skip
+    gm = kernel(key)
     blocked = [m for m in gm.modules() if isinstance(m, _tile_kernel._BlockedSplitAccumulate)]
     assert len(blocked) == 1
     for module in gm.modules():
@@ -225,9 +222,10 @@ def test_plan_runs_small_half_precision_batches_as_one_tile(num_tokens, tile, la
 def test_direct_schedule_is_within_eagers_error(device, monkeypatch):
     """A small batch runs as one tile whose own GEMM rounds the weight gradient once."""
     keys = []
-    real = _tile_kernel.tile_kernel
-    tiled_loss_module = importlib.import_module("tile_pass.functional")  # the module, not the decorator
-    monkeypatch.setattr(tiled_loss_module, "tile_kernel", lambda key: keys.append(key) or real(key))
+    from tile_pass import tiled_region
+
+    real = tiled_region._program_kernel
+    monkeypatch.setattr(tiled_region, "_program_kernel", lambda key: keys.append(key) or real(key))
     g = torch.Generator().manual_seed(0)
     n, h, v = 150, 32, 300
     hidden = torch.randn(n, h, generator=g, dtype=torch.float64)

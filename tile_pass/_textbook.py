@@ -25,6 +25,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module
+
+from tile_pass.rewrite import rewrite_graph
 
 
 class Options(NamedTuple):
@@ -110,14 +113,12 @@ def _examples(options: Options, mode: FakeTensorMode) -> list:
 
 
 def _build(options: Options) -> torch.fx.GraphModule:
-    from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module
-
-    from tile_pass.rewrite import rewrite_graph
-
     with _force_skip_lazy_graph_module():  # Dynamo does not trace a lazy module's first call
         gm = torch.fx.symbolic_trace(_textbook_code(options))
         mode = FakeTensorMode()
-        _ExampleValues(gm).run(*_examples(options, mode))
+        examples = _examples(options, mode)
+        with mode:  # its own mode, also where the caller runs under another (a fake-tensor trace)
+            _ExampleValues(gm).run(*examples)
         result = rewrite_graph(
             gm, tile_tokens=options.tile_tokens, tile_bytes=options.tile_bytes,
             compile_tiles=options.compile_tiles, strict=True,

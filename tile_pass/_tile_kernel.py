@@ -1,11 +1,12 @@
-"""The per-tile function and its *derived* gradient.
+"""The per-tile function's passes and its tracing, once per key.
 
-One tile of the loss is ordinary PyTorch code (:meth:`LossHead.token_losses`). Its
-gradient is never written by hand: :func:`tile_kernel` traces
-``torch.autograd.grad`` of ``sum(coef * token_losses)`` with ``make_fx`` into an aten
-graph, exactly as AOTAutograd derives a joint graph, and caches it per shape/dtype/device.
+One tile of a region is its row-wise program (:mod:`tile_pass.tiled_region` builds the joint
+function: the program's outputs and ``torch.autograd.grad`` of ``sum(tangent * output)``).
+Its gradient is never written by hand: :func:`trace_fake` traces it with ``make_fx`` into an
+aten graph, exactly as AOTAutograd derives a joint graph; :func:`finish_tile_graph` applies
+the post-trace passes in order, and :func:`traced_once` caches the result per key.
 
-Two details make that graph usable inside a custom op at run time:
+Three details make that graph usable inside a custom op at run time:
 
 * Tracing happens on a helper thread. A custom op's implementation runs below the
   autograd dispatch keys, so autograd records nothing there; a fresh thread has the
@@ -26,16 +27,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
-import dataclasses
 import functools
-import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
@@ -48,247 +45,11 @@ from tile_pass._tiling import STORE_GRAD_OVER_LOGITS
 aten = torch.ops.aten
 
 
-def _apply_op(x: torch.Tensor, op: tuple, extras: list[torch.Tensor], constants: tuple[float, ...]):
-    name, *arg = op
-    if name == "cast":
-        return x.to(getattr(torch, arg[0]))
-    if name == "tanh":
-        return torch.tanh(x)
-    other = extras[arg[0]] if name.endswith("_t") else constants[arg[0]]
-    kind = name.removesuffix("_t")
-    if kind == "mul":
-        return x * other
-    if kind == "div":
-        return x / other
-    if kind == "add":
-        return x + other
-    if kind == "sub":
-        return x - other
-    if kind == "rsub":
-        return other - x
-    raise ValueError(f"unknown tile op {op!r}")
-
-
-HEAD_OPS = ("cast", "tanh", "mul", "div", "add", "sub", "rsub", "mul_t", "div_t", "add_t", "sub_t", "rsub_t")
-
-
-def encode_head_spec(ops, class_weight: int | None = None, soft_targets: bool = False) -> str:
-    """The custom ops' text form of a head: op names and operand indices, which extra holds
-    the class weights, whether targets are class probabilities. No numbers but indices (the
-    constants travel as numbers) and no ``json`` (Dynamo traces the functional API's call)."""
-
-    def item(arg):
-        return f'"{arg}"' if isinstance(arg, str) else str(int(arg))
-
-    encoded = ", ".join("[" + ", ".join(item(a) for a in op) + "]" for op in ops)
-    weight = "null" if class_weight is None else str(int(class_weight))
-    soft = "true" if soft_targets else "false"
-    return f'{{"ops": [{encoded}], "class_weight": {weight}, "soft_targets": {soft}}}'
-
-
-@dataclass(frozen=True)
-class LossHead:
-    """What a matched region computes from the hidden states of one tile of tokens.
-
-    ``ops`` are the row-wise operations between the projection and the loss, in order:
-    ``("cast", "float32")``, ``("tanh",)``, ``("mul", k)`` (operand ``constants[k]``, a
-    Python number), or ``("mul_t", i)`` (operand ``extras[i]``, a 0-d or ``[V]`` tensor).
-    Soft-capping is ``div, tanh, mul``; a logit scale is ``mul``; a bias added after the
-    linear is ``add_t``. The constants travel as numbers, never as text, so ``inf`` and
-    ``nan`` reach the tile exactly as eager would use them.
-    """
-
-    ops: tuple[tuple, ...]
-    ignore_index: int
-    label_smoothing: float
-    constants: tuple[float, ...] = field(default=(), compare=False)
-    class_weight: int = -1  # >= 0: extras[class_weight] are F.cross_entropy's weight=, [V]
-    soft_targets: bool = False  # targets are class probabilities, [tile, V]
-    # what compares and hashes in place of ``constants``: their bits, so that a NaN constant
-    # finds its cached kernel (``nan != nan``) and ``0.0`` and ``-0.0`` get kernels of their own
-    _constant_bits: tuple[str, ...] = field(default=(), init=False, repr=False)
-
-    def __post_init__(self):
-        object.__setattr__(self, "constants", tuple(float(c) for c in self.constants))
-        object.__setattr__(self, "_constant_bits", tuple(c.hex() for c in self.constants))
-
-    @staticmethod
-    def parse_ops(spec: str) -> tuple[tuple, ...]:
-        """The row-wise ops of a head spec (see :func:`encode_head_spec`)."""
-        return LossHead._parse(spec)[0]
-
-    @staticmethod
-    @functools.lru_cache(maxsize=512)
-    def _parse(spec: str) -> tuple[tuple[tuple, ...], int, bool]:
-        decoded = json.loads(spec)
-        if isinstance(decoded, list):  # the ops alone
-            decoded = {"ops": decoded}
-        ops = tuple(tuple(op) for op in decoded["ops"])
-        for op in ops:
-            if not op or op[0] not in HEAD_OPS:
-                raise ValueError(f"unknown tile op {op!r} in head spec {spec!r}")
-        class_weight = decoded.get("class_weight")
-        class_weight = -1 if class_weight is None else int(class_weight)
-        return ops, class_weight, bool(decoded.get("soft_targets", False))
-
-    @classmethod
-    def from_spec(
-        cls, spec: str, ignore_index: int, label_smoothing: float, constants: tuple[float, ...] = ()
-    ) -> LossHead:
-        ops, class_weight, soft_targets = cls._parse(spec)
-        return cls(ops, ignore_index, label_smoothing, tuple(constants), class_weight, soft_targets)
-
-    def logits(self, hidden, weight, bias, extras, keep_after: int = -1):
-        """The logits the loss sees; with ``keep_after=k`` also those after the first k ops."""
-        x = F.linear(hidden, weight, bias)
-        kept = x if keep_after == 0 else None
-        for i, op in enumerate(self.ops, start=1):
-            x = _apply_op(x, op, extras, self.constants)
-            if i == keep_after:
-                kept = x
-        return (x, kept) if keep_after >= 0 else x
-
-    def token_losses(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        target: torch.Tensor,
-        extras: list[torch.Tensor] = (),
-        keep_after: int = -1,
-    ):
-        """Per-token losses; with ``keep_after=k`` also the logits after the first k ops."""
-        logits, kept = self.logits(hidden, weight, bias, list(extras), keep_after=max(keep_after, 0))
-        losses = F.cross_entropy(
-            logits,
-            target,
-            weight=extras[self.class_weight] if self.class_weight >= 0 else None,
-            ignore_index=self.ignore_index,
-            reduction="none",
-            label_smoothing=self.label_smoothing,
-        )
-        return (losses, kept) if keep_after >= 0 else losses
-
-
-@dataclass(frozen=True)
-class KernelKey:
-    head: LossHead
-    tile: int
-    hidden_size: int
-    vocab_size: int
-    hidden_dtype: torch.dtype
-    weight_dtype: torch.dtype
-    bias_dtype: torch.dtype | None
-    target_dtype: torch.dtype
-    extras: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # (shape, dtype) of each extra
-    device: torch.device
-    need_hidden: bool
-    need_weight: bool
-    need_bias: bool
-    acc_dtype: torch.dtype  # token weights and gradient sums: float32, or float64 for float64
-    keep_logits_after: int = -1  # >= 0: also return the logits tile after that many ops
-    compiled: bool = False  # compile the elementwise middle (softmax, loss, dlogits) with Inductor
-    onednn: bool = False  # run the float32 logits and hidden-gradient GEMMs through oneDNN
-    # how the weight gradient leaves the tile (with need_weight): "sum", added into an acc_dtype
-    # [V, H] sum; "split", added into the two 16-bit planes of a float32 sum (tile_pass.
-    # _weight_grad); "direct", returned in the weight dtype (the only tile of the batch)
-    weight_grad: str = "sum"
-
-
-def _inputs_of(key: KernelKey) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """The traced tile function's positional inputs: name, shape, dtype. The one place that
-    says which optional inputs (bias, extras, accumulators) the graph takes, and in what order."""
-    T, H, V = key.tile, key.hidden_size, key.vocab_size
-    inputs = [("hidden", (T, H), key.hidden_dtype), ("weight", (V, H), key.weight_dtype)]
-    if key.bias_dtype is not None:
-        inputs.append(("bias", (V,), key.bias_dtype))
-    inputs.append(("target", (T, V) if key.head.soft_targets else (T,), key.target_dtype))
-    inputs += [(f"extra_{i}", shape, dtype) for i, (shape, dtype) in enumerate(key.extras)]
-    inputs.append(("coef", (T,), key.acc_dtype))
-    if key.need_weight and key.weight_grad == "split":
-        inputs += [("weight_acc_hi", (V, H), torch.int16), ("weight_acc_lo", (V, H), torch.int16)]
-    elif key.need_weight and key.weight_grad == "sum":
-        inputs.append(("weight_acc", (V, H), key.acc_dtype))
-    if key.need_bias:
-        inputs.append(("bias_acc", (V,), key.acc_dtype))
-    return inputs
-
-
-class TileKernel:
-    """A traced tile function: ``(h, W, b, y, coef, dW_acc, db_acc) -> (losses, dh, logits, dW)``.
-
-    ``losses`` are the per-token losses of the tile; ``dh`` is ``d sum(coef * losses) / dh``
-    (or ``None``); the weight and bias gradients are added into ``dW_acc`` / ``db_acc``;
-    ``logits`` is the tile's logits after ``keep_logits_after`` ops (or ``None``), for a
-    graph that also returns them; ``dW`` is the weight gradient itself under the ``direct``
-    schedule (else ``None``).
-    """
-
-    def __init__(self, key: KernelKey, graph_module: torch.fx.GraphModule):
-        self.key = key
-        self.graph_module = graph_module
-        self._names = [name for name, _, _ in _inputs_of(key)]
-
-    def __call__(self, hidden, weight, bias, target, extras, coef, weight_acc, bias_acc):
-        """``weight_acc`` is the ``(hi, lo)`` planes pair under the split schedule, ``None`` under
-        the direct one."""
-        given = dict(hidden=hidden, weight=weight, bias=bias, target=target, coef=coef,
-                     weight_acc=weight_acc, bias_acc=bias_acc)  # fmt: skip
-        if self.key.weight_grad == "split" and weight_acc is not None:
-            given["weight_acc_hi"], given["weight_acc_lo"] = weight_acc
-        given.update((f"extra_{i}", e) for i, e in enumerate(extras))
-        out = list(self.graph_module(*(given[name] for name in self._names)))
-        losses = out.pop(0)
-        grad_hidden = out.pop(0) if self.key.need_hidden else None
-        kept = out.pop(0) if self.key.keep_logits_after >= 0 else None
-        grad_weight = out.pop(0) if self.key.need_weight and self.key.weight_grad == "direct" else None
-        return losses, grad_hidden, kept, grad_weight
-
-
 def differentiable(tensors, needs) -> tuple[list, list[torch.Tensor]]:
     """``tensors`` with each one ``needs`` marks replaced by a fresh leaf that requires grad, and
     those leaves in order: what a tile function differentiates (call it under ``enable_grad``)."""
     leaves = [t.detach().requires_grad_() if need else t for t, need in zip(tensors, needs, strict=True)]
     return leaves, [t for t, need in zip(leaves, needs, strict=True) if need]
-
-
-def _joint_function(key: KernelKey):
-    names = [name for name, _, _ in _inputs_of(key)]
-
-    def joint(*args):
-        given = dict(zip(names, args, strict=True))
-        hidden, weight, bias = given["hidden"], given["weight"], given.get("bias")
-        target, coef = given["target"], given["coef"]
-        extras = [given[f"extra_{i}"] for i in range(len(key.extras))]
-        weight_acc, bias_acc = given.get("weight_acc"), given.get("bias_acc")
-        weight_planes = given.get("weight_acc_hi"), given.get("weight_acc_lo")
-
-        with torch.enable_grad():
-            (hidden, weight, bias), wanted = differentiable(
-                (hidden, weight, bias), (key.need_hidden, key.need_weight, key.need_bias)
-            )
-            losses = key.head.token_losses(hidden, weight, bias, target, extras, key.keep_logits_after)
-            losses, kept = losses if key.keep_logits_after >= 0 else (losses, None)
-            grads = torch.autograd.grad((losses * coef).sum(), wanted) if wanted else ()
-        grads = list(grads)
-        grad_hidden = grads.pop(0) if key.need_hidden else None
-        grad_weight = grads.pop(0) if key.need_weight else None
-        if key.need_weight and key.weight_grad == "split":
-            torch.ops.tile_pass.split_accumulate_(*weight_planes, grad_weight)
-        elif key.need_weight and key.weight_grad == "sum":
-            weight_acc.add_(grad_weight)
-        if key.need_bias:
-            bias_acc.add_(grads.pop(0))
-        outputs = [losses.detach()]
-        if grad_hidden is not None:
-            outputs.append(grad_hidden)
-        if kept is not None:
-            outputs.append(kept.detach())
-        if key.need_weight and key.weight_grad == "direct":
-            outputs.append(grad_weight)
-        return tuple(outputs)
-
-    return joint
 
 
 def _strip_transpose_pairs(node: torch.fx.Node) -> torch.fx.Node:
@@ -967,7 +728,7 @@ class _SplitAddByBlockHeight:
         self.adds[hi.shape[0]](hi, lo, x)
 
 
-def _block_split_accumulation(root: torch.fx.GraphModule, key: KernelKey) -> int:
+def _block_split_accumulation(root: torch.fx.GraphModule, key) -> int:
     """Turn ``split_accumulate_(hi, lo, mm(a, b))`` (modulo double transposes, the product used
     nowhere else) into a blocked product, so the tile never holds a ``[V, H]`` temporary; in
     compiled tiles each block is added by one Inductor kernel."""
@@ -1122,18 +883,6 @@ def trace_fake(
     return make_fx(fn, tracing_mode="fake")(*examples)
 
 
-def _trace_graph(key: KernelKey) -> torch.fx.GraphModule:
-    inputs = [(shape, dtype) for _, shape, dtype in _inputs_of(key)]
-    return trace_fake(_joint_function(key), inputs, key.device)
-
-
-def _trace(key: KernelKey) -> TileKernel:
-    def retrace(rows: int) -> torch.fx.GraphModule:
-        return _trace_graph(dataclasses.replace(key, tile=rows))
-
-    return TileKernel(key, finish_tile_graph(_trace_graph(key), key, retrace))
-
-
 _cache = _BoundedCache(TILE_KERNEL_CACHE_SIZE)
 _cache_lock = threading.Lock()
 _tracer: concurrent.futures.ThreadPoolExecutor | None = None
@@ -1159,11 +908,6 @@ def traced_once(key, trace):
 def _on_tracing_thread(trace, key):
     _tracer_state.caller_holds_lock = True
     return trace(key)
-
-
-def tile_kernel(key: KernelKey) -> TileKernel:
-    """The derived tile function for ``key``, traced once per process."""
-    return traced_once(key, _trace)
 
 
 def clear_caches() -> None:

@@ -126,11 +126,10 @@ def is_region_node(node: torch.fx.Node) -> bool:
     """A call the rewrite inserted, or a tile_pass op the user's code called (the functional API)."""
     if node.op != "call_function":
         return False
-    from tile_pass.functional import tiled_region_loss
     from tile_pass.tiled_region import run_region
     from tile_pass.vocab_parallel import run_sharded_region
 
-    return node.target in (tiled_region_loss, run_region, run_sharded_region) or (
+    return node.target in (run_region, run_sharded_region) or (
         getattr(node.target, "namespace", None) == "tile_pass"
     )
 

@@ -1,7 +1,8 @@
 """A region's row-wise program, run tile by tile, with its gradient derived.
 
-The general form of :func:`tile_pass.linear_cross_entropy`: the tile function is the user's own
-row-wise subgraph (a :class:`~tile_pass._region.RowProgram`), with several per-token
+The one tile loop: every rewritten region and :func:`tile_pass.linear_cross_entropy` (whose
+region is the textbook loss, :mod:`tile_pass._textbook`) run here. The tile function is the
+user's own row-wise subgraph (a :class:`~tile_pass._region.RowProgram`), with several per-token
 outputs (losses, log-probabilities, log-sum-exps, entropies, ``argmax``), and rows
 returned to the caller. One pass over the tiles computes every output: one logits GEMM per
 tile, however many consumers the logits had.

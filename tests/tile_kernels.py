@@ -1,0 +1,160 @@
+"""Tile functions of small regions, built as the pass builds them, for the tests of the tile
+function's passes: the region's code is traced (``torch.fx.symbolic_trace``), given fake
+example values as Dynamo gives them, and matched by the one matcher into a program; the key
+names the tile size, dtypes and post-trace passes, and the kernel is the traced, finished tile
+function of :mod:`tile_pass.tiled_region`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tile_pass import _region
+from tile_pass._region_match import match_row_region
+from tile_pass._textbook import _ExampleValues
+from tile_pass.tiled_region import ProgramKernelKey, _program_kernel
+
+T, H, V = 32, 16, 96
+CPU = torch.device("cpu")
+
+
+def cross_entropy_code(*, upcast=False, softcap=None, label_smoothing=0.1, returns_logits=False):
+    """``(hidden, weight, bias, target, class_weights) -> (loss[, logits])``, the textbook head."""
+
+    def loss(hidden, weight, bias, target, class_weights):
+        logits = F.linear(hidden, weight, bias)
+        head = logits if softcap is None else torch.tanh(logits / softcap) * softcap
+        head = head.float() if upcast else head
+        ce = F.cross_entropy(
+            head, target, weight=class_weights, reduction="none", label_smoothing=label_smoothing
+        )
+        return (ce, logits) if returns_logits else (ce,)
+
+    return loss
+
+
+def program_of(code, dtype, bias: bool, class_weights=False, vocab=V, hidden=H) -> _region.RowProgram:
+    """The program the matcher builds for ``code`` on ``dtype`` inputs."""
+    if bias and class_weights:
+        pass
+    elif bias:
+        code = (lambda f: lambda hidden, weight, bias, target: f(hidden, weight, bias, target, None))(code)
+    elif class_weights:
+        code = (lambda f: lambda hidden, weight, target, cw: f(hidden, weight, None, target, cw))(code)
+    else:
+        code = (lambda f: lambda hidden, weight, target: f(hidden, weight, None, target, None))(code)
+    graph_module = torch.fx.symbolic_trace(code)
+    mode = FakeTensorMode()
+    with mode:
+        examples = [
+            torch.empty(8, hidden, dtype=dtype, requires_grad=True),
+            torch.empty(vocab, hidden, dtype=dtype, requires_grad=True),
+            *([torch.empty(vocab, dtype=dtype, requires_grad=True)] if bias else []),
+            torch.zeros(8, dtype=torch.long),
+            *([torch.empty(vocab)] if class_weights else []),
+        ]
+    _ExampleValues(graph_module).run(*examples)
+    projection = next(n for n in graph_module.graph.nodes if n.target is F.linear)
+    return match_row_region(graph_module.graph, projection).program
+
+
+def ce_key(
+    dtype,
+    *,
+    upcast=False,
+    softcap=None,
+    bias=False,
+    class_weights=False,
+    label_smoothing=0.1,
+    returns_logits=False,
+    compiled=True,
+    need_hidden=True,
+    onednn=False,
+    weight_grad="float32",
+    tile=T,
+    vocab=V,
+    hidden=H,
+) -> ProgramKernelKey:
+    """The tile function's key for the textbook cross entropy with these options."""
+    code = cross_entropy_code(
+        upcast=upcast, softcap=softcap, label_smoothing=label_smoothing, returns_logits=returns_logits
+    )
+    program = program_of(code, dtype, bias, class_weights, vocab, hidden)
+    return ProgramKernelKey(
+        program=program.key,
+        tile=tile,
+        hidden_size=hidden,
+        hidden_dtype=dtype,
+        weight_dtype=dtype,
+        bias_dtype=dtype if bias else None,
+        token_inputs=(((), torch.int64),),
+        row_inputs=(((vocab,), torch.float32),) if class_weights else (),
+        tangents=tuple(i for i, out in enumerate(program.outputs) if out.differentiable),
+        device=CPU,
+        need_hidden=need_hidden,
+        need_weight=True,
+        need_bias=bias,
+        acc_dtype=torch.float32,
+        compiled=compiled,
+        onednn=onednn,
+        weight_grad=weight_grad,
+        vocab_size=vocab,
+    )
+
+
+def kernel(key: ProgramKernelKey) -> torch.fx.GraphModule:
+    return _program_kernel(key)
+
+
+def replace(key: ProgramKernelKey, **changes) -> ProgramKernelKey:
+    return dataclasses.replace(key, **changes)
+
+
+def make_inputs(key: ProgramKernelKey, seed=0):
+    """``(hidden, weight, bias, target, coef, weight_acc, bias_acc)``, the sums not zero."""
+    gen = torch.Generator().manual_seed(seed)
+    tile, hidden_size, vocab = key.tile, key.hidden_size, key.vocab_size
+    hidden = torch.randn(tile, hidden_size, generator=gen).to(key.hidden_dtype)
+    weight = torch.randn(vocab, hidden_size, generator=gen).to(key.weight_dtype)
+    bias = torch.randn(vocab, generator=gen).to(key.bias_dtype) if key.bias_dtype is not None else None
+    target = torch.randint(0, vocab, (tile,), generator=gen)
+    target[::5] = -100
+    coef = torch.rand(tile, generator=gen)
+    weight_acc = torch.randn(vocab, hidden_size, generator=gen)  # accumulation adds to what is there
+    bias_acc = torch.randn(vocab, generator=gen) if bias is not None else None
+    return hidden, weight, bias, target, coef, weight_acc, bias_acc
+
+
+def call(key: ProgramKernelKey, hidden, weight, bias, target, coef, weight_acc, bias_acc, class_weights=None):
+    """The tile function on these inputs: ``(outputs, grad hidden, grad weight if returned)``."""
+    program = _region.lookup(key.program)
+    args = [hidden, weight] + ([bias] if key.bias_dtype is not None else []) + [target]
+    args += [class_weights] if key.row_inputs else []
+    args += [coef.to(program.outputs[i].dtype) for i in key.tangents]
+    if key.need_weight and key.weight_grad not in ("direct", "split"):
+        args.append(weight_acc)
+    if key.need_bias:
+        args.append(bias_acc)
+    result = list(kernel(key)(*args))
+    outputs = [result.pop(0) for _ in program.outputs]
+    grad_hidden = result.pop(0) if key.need_hidden else None
+    grad_weight = result.pop(0) if key.need_weight and key.weight_grad == "direct" else None
+    return outputs, grad_hidden, grad_weight
+
+
+def run(key: ProgramKernelKey, seed=0):
+    """(per-token losses, grad hidden, weight sum, bias sum, returned logits or None) of one tile."""
+    inputs = make_inputs(key, seed)
+    outputs, grad_hidden, _ = call(key, *inputs)
+    layouts = [out.layout for out in _region.lookup(key.program).outputs]
+    losses = outputs[layouts.index("tokens")]
+    logits = outputs[layouts.index("rows")] if "rows" in layouts else None
+    return losses, grad_hidden, inputs[5], inputs[6], logits
+
+
+def graph_calls(graph_module: torch.fx.GraphModule, target) -> list[torch.fx.Node]:
+    modules = [m for m in graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    return [n for m in modules for n in m.graph.nodes if n.target is target]
