@@ -15,8 +15,14 @@ from tile_pass import _simplify, _tile_kernel
 aten = torch.ops.aten
 
 
-def key_for(dtype, upcast=False, label_smoothing=0.0, class_weights=False):
-    return ce_key(dtype, upcast=upcast, label_smoothing=label_smoothing, class_weights=class_weights)
+def key_for(dtype, upcast=False, label_smoothing=0.0, class_weights=False, log_probs=False):
+    return ce_key(
+        dtype,
+        upcast=upcast,
+        label_smoothing=label_smoothing,
+        class_weights=class_weights,
+        log_probs=log_probs,
+    )
 
 
 def tile_outputs(key):
@@ -62,6 +68,9 @@ CASES = {
     "bf16-upcast": dict(dtype=torch.bfloat16, upcast=True),
     "bf16": dict(dtype=torch.bfloat16),
     "class-weights": dict(dtype=torch.float32, class_weights=True),
+    # the per-token log-probabilities of RL losses: the gradient of a gather, scattered into zeros
+    "log-probs": dict(dtype=torch.float32, log_probs=True),
+    "bf16-upcast-log-probs": dict(dtype=torch.bfloat16, upcast=True, log_probs=True),
 }
 
 

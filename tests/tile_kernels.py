@@ -21,13 +21,20 @@ T, H, V = 32, 16, 96
 CPU = torch.device("cpu")
 
 
-def cross_entropy_code(*, upcast=False, softcap=None, label_smoothing=0.1, returns_logits=False):
-    """``(hidden, weight, bias, target, class_weights) -> (loss[, logits])``, the textbook head."""
+def cross_entropy_code(
+    *, upcast=False, softcap=None, label_smoothing=0.1, returns_logits=False, log_probs=False
+):
+    """``(hidden, weight, bias, target, class_weights) -> (loss[, logits])``, the textbook head;
+    with ``log_probs``, the per-token log-probabilities of RL losses instead of the loss
+    (``log_softmax`` + ``gather`` of the targets, an ignored one clamped to class 0)."""
 
     def loss(hidden, weight, bias, target, class_weights):
         logits = F.linear(hidden, weight, bias)
         head = logits if softcap is None else torch.tanh(logits / softcap) * softcap
         head = head.float() if upcast else head
+        if log_probs:
+            picked = head.log_softmax(-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            return (picked, logits) if returns_logits else (picked,)
         ce = F.cross_entropy(
             head, target, weight=class_weights, reduction="none", label_smoothing=label_smoothing
         )
@@ -70,6 +77,7 @@ def ce_key(
     class_weights=False,
     label_smoothing=0.1,
     returns_logits=False,
+    log_probs=False,
     compiled=True,
     need_hidden=True,
     onednn=False,
@@ -80,8 +88,9 @@ def ce_key(
 ) -> ProgramKernelKey:
     """The tile function's key for the textbook cross entropy with these options."""
     code = cross_entropy_code(
-        upcast=upcast, softcap=softcap, label_smoothing=label_smoothing, returns_logits=returns_logits
-    )
+        upcast=upcast, softcap=softcap, label_smoothing=label_smoothing, returns_logits=returns_logits,
+        log_probs=log_probs,
+    )  # fmt: skip
     program = program_of(code, dtype, bias, class_weights, vocab, hidden)
     return ProgramKernelKey(
         program=program.key,
@@ -90,7 +99,9 @@ def ce_key(
         hidden_dtype=dtype,
         weight_dtype=dtype,
         bias_dtype=dtype if bias else None,
-        token_inputs=(((), torch.int64),),
+        token_inputs=tuple(
+            (_region.row_part(layout, vocab), torch.int64) for layout in program.token_layouts
+        ),
         row_inputs=(((vocab,), torch.float32),) if class_weights else (),
         tangents=tuple(i for i, out in enumerate(program.outputs) if out.differentiable),
         device=CPU,
@@ -131,6 +142,8 @@ def make_inputs(key: ProgramKernelKey, seed=0):
 def call(key: ProgramKernelKey, hidden, weight, bias, target, coef, weight_acc, bias_acc, class_weights=None):
     """The tile function on these inputs: ``(outputs, grad hidden, grad weight if returned)``."""
     program = _region.lookup(key.program)
+    if program.token_layouts == ("tokens1",):  # a gather's index, made outside the region
+        target = target.clamp(min=0).unsqueeze(1)
     args = [hidden, weight] + ([bias] if key.bias_dtype is not None else []) + [target]
     args += [class_weights] if key.row_inputs else []
     args += [coef.to(program.outputs[i].dtype) for i in key.tangents]

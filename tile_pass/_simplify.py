@@ -21,31 +21,54 @@ def _arg(node: torch.fx.Node, position: int, name: str, default=None):
     return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
 
 
-def _nll_labels(graph: torch.fx.Graph, grad: torch.fx.Node) -> torch.fx.Node | None:
-    """The ``[rows, 1]`` column each row of the NLL gradient ``grad`` holds its value at (its
-    label, or class 0 for an ignored token, whose row is zeros), or ``None`` where ``grad``
-    is no 2-D ``nll_loss_backward``. Inserted at the graph's current insertion point."""
-    if not isinstance(grad, torch.fx.Node) or grad.target is not aten.nll_loss_backward.default:
+#: ops that make the zeros a gather's gradient is scattered into
+_ZEROS = {aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default}
+
+
+def _one_hot_labels(graph: torch.fx.Graph, grad: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``(label, value)``: the ``[rows, 1]`` column each row of the one-hot gradient ``grad``
+    holds its value at, and that value (``[rows, 1]``); ``None`` where ``grad`` is no such
+    gradient. Two forms hold one value per row: a 2-D
+    ``nll_loss_backward`` (at the row's label, or class 0 for an ignored token, whose row is
+    zeros), and the gradient of a ``gather`` of one column per row, ``scatter_add`` of a
+    ``[rows, 1]`` value into zeros at its ``[rows, 1]`` index (``log_softmax(...).gather(...)``,
+    the per-token log-probabilities of RL losses). Inserted at the graph's current insertion
+    point."""
+    if not isinstance(grad, torch.fx.Node):
         return None
     val = grad.meta.get("val")
-    target, ignore_index = _arg(grad, 2, "target"), _arg(grad, 5, "ignore_index")
-    target_val = target.meta.get("val") if isinstance(target, torch.fx.Node) else None
     if not isinstance(val, torch.Tensor) or val.dim() != 2:
         return None
+    if grad.target is aten.scatter_add.default and len(grad.args) == 4 and not grad.kwargs:
+        base, dim, index, src = grad.args
+        column = (val.shape[0], 1)
+        vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in (index, src)]
+        if (
+            isinstance(base, torch.fx.Node) and base.target in _ZEROS and dim in (1, -1)
+            and all(isinstance(v, torch.Tensor) and tuple(v.shape) == column for v in vals)
+        ):  # fmt: skip
+            return index, src  # 0 + src at the index: src itself (up to the sign of a zero)
+        return None
+    if grad.target is not aten.nll_loss_backward.default:
+        return None
+    target, ignore_index = _arg(grad, 2, "target"), _arg(grad, 5, "ignore_index")
+    target_val = target.meta.get("val") if isinstance(target, torch.fx.Node) else None
     if not isinstance(target_val, torch.Tensor) or target_val.dim() != 1 or not isinstance(ignore_index, int):
         return None
     valid = graph.call_function(aten.ne.Scalar, (target, ignore_index))
     label = graph.call_function(aten.where.ScalarOther, (valid, target, 0))
-    return graph.call_function(aten.unsqueeze.default, (label, 1))
+    label = graph.call_function(aten.unsqueeze.default, (label, 1))
+    return label, graph.call_function(aten.gather.default, (grad, 1, label))
 
 
 def _gathered_label_row_sum(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
-    """``_log_softmax_backward_data(nll_loss_backward(...), log_probs)`` with the row sum of
-    the NLL gradient read at the label instead of reduced over the vocabulary.
+    """``_log_softmax_backward_data(g, log_probs)`` of a one-hot ``g`` (an NLL gradient, or a
+    gather's: :func:`_one_hot_labels`) with the row sum of ``g`` read at the label instead of
+    reduced over the vocabulary.
 
-    The log-softmax backward is ``g - exp(log_probs) * g.sum(dim)``, and the NLL gradient
-    ``g`` holds one value per row, at the row's label (zero for the rest, and for the whole
-    row of an ignored token). A sum of zeros and one value is that value, so gathering it is
+    The log-softmax backward is ``g - exp(log_probs) * g.sum(dim)``, and ``g`` holds one value
+    per row, at the row's label (zero for the rest, and for the whole row of an ignored
+    token). A sum of zeros and one value is that value, so gathering it is
     the same number, without Inductor's extra reduction loop over ``[tile, V]`` per row block
     (a 32 x 128256 block's middle: 4.7 ms -> 3.85 ms on a 2-core Xeon). The only difference a
     sum could make is the sign of a zero (a zero-weight class), which no loss or gradient
@@ -56,10 +79,10 @@ def _gathered_label_row_sum(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
         return False
     val = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
     with graph.inserting_before(node):
-        label = _nll_labels(graph, grad)
-        if label is None:
+        found = _one_hot_labels(graph, grad)
+        if found is None:
             return False
-        row_sum = graph.call_function(aten.gather.default, (grad, 1, label))
+        _, row_sum = found
         softmax = graph.call_function(aten.exp.default, (log_probs,))
         scaled = graph.call_function(aten.mul.Tensor, (softmax, row_sum))
         result = graph.call_function(aten.sub.Tensor, (grad, scaled))
@@ -183,11 +206,11 @@ def split_label_column(gm: torch.fx.GraphModule, logits_index: int) -> bool:
         return False
     graph, shape = gm.graph, vals[0].shape
     with graph.inserting_before(copy):
-        label = _nll_labels(graph, grad)
-        if label is None:
+        found = _one_hot_labels(graph, grad)
+        if found is None:
             return False
+        label, at_label = found
         off_label = graph.call_function(aten.rsub.Scalar, (dense, 0.0))  # 0 - p * s
-        at_label = graph.call_function(aten.gather.default, (grad, 1, label))
         at_label = graph.call_function(aten.sub.Tensor, (at_label, _gathered(graph, dense, label, shape)))
         for cast in reversed(casts):
             off_label = graph.call_function(cast.target, (off_label,), dict(cast.kwargs))

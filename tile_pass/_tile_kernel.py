@@ -139,6 +139,19 @@ def _split_at_gemms(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
             partition[n] = 0
     if 1 not in partition.values():
         return None
+    # what only the middle reads joins it (a gather's gradient: zeros of the tile's shape with
+    # the token weights scattered in), so Inductor fuses it instead of the tile realising it
+    for n in reversed(nodes):
+        users = [u for u in n.users if u.op != "output"]
+        if (
+            partition.get(n) == 0
+            and n is not logits
+            and n.target not in _GEMMS
+            and users
+            and len(users) == len(n.users)
+        ):
+            if all(partition.get(u) == 1 for u in users):
+                partition[n] = 1
     return split_module(gm, None, lambda n: partition[n])
 
 
