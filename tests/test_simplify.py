@@ -15,14 +15,9 @@ from tile_pass import _simplify, _tile_kernel
 aten = torch.ops.aten
 
 
-def key_for(dtype, upcast=False, label_smoothing=0.0, class_weights=False, log_probs=False):
-    return ce_key(
-        dtype,
-        upcast=upcast,
-        label_smoothing=label_smoothing,
-        class_weights=class_weights,
-        log_probs=log_probs,
-    )
+def key_for(dtype, **options):
+    """The tile of the textbook cross entropy (or, ``log_probs=True``, of per-token log-probs)."""
+    return ce_key(dtype, **{"label_smoothing": 0.0, **options})
 
 
 def tile_outputs(key):
@@ -71,6 +66,11 @@ CASES = {
     # the per-token log-probabilities of RL losses: the gradient of a gather, scattered into zeros
     "log-probs": dict(dtype=torch.float32, log_probs=True),
     "bf16-upcast-log-probs": dict(dtype=torch.bfloat16, upcast=True, log_probs=True),
+    # TRL's sampling temperature: the stored gradient is divided by it after the log-softmax's
+    "log-probs-temperature": dict(dtype=torch.float32, log_probs=True, temperature=0.7),
+    "bf16-upcast-log-probs-temperature": dict(
+        dtype=torch.bfloat16, upcast=True, log_probs=True, temperature=0.7
+    ),
 }
 
 

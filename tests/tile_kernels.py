@@ -22,7 +22,13 @@ CPU = torch.device("cpu")
 
 
 def cross_entropy_code(
-    *, upcast=False, softcap=None, label_smoothing=0.1, returns_logits=False, log_probs=False
+    *,
+    upcast=False,
+    softcap=None,
+    label_smoothing=0.1,
+    returns_logits=False,
+    log_probs=False,
+    temperature=None,
 ):
     """``(hidden, weight, bias, target, class_weights) -> (loss[, logits])``, the textbook head;
     with ``log_probs``, the per-token log-probabilities of RL losses instead of the loss
@@ -32,6 +38,7 @@ def cross_entropy_code(
         logits = F.linear(hidden, weight, bias)
         head = logits if softcap is None else torch.tanh(logits / softcap) * softcap
         head = head.float() if upcast else head
+        head = head if temperature is None else head / temperature
         if log_probs:
             picked = head.log_softmax(-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
             return (picked, logits) if returns_logits else (picked,)
@@ -78,6 +85,7 @@ def ce_key(
     label_smoothing=0.1,
     returns_logits=False,
     log_probs=False,
+    temperature=None,
     compiled=True,
     need_hidden=True,
     onednn=False,
@@ -89,7 +97,7 @@ def ce_key(
     """The tile function's key for the textbook cross entropy with these options."""
     code = cross_entropy_code(
         upcast=upcast, softcap=softcap, label_smoothing=label_smoothing, returns_logits=returns_logits,
-        log_probs=log_probs,
+        log_probs=log_probs, temperature=temperature,
     )  # fmt: skip
     program = program_of(code, dtype, bias, class_weights, vocab, hidden)
     return ProgramKernelKey(

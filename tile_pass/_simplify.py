@@ -164,12 +164,24 @@ def _gathered(graph: torch.fx.Graph, node, label: torch.fx.Node, shape: torch.Si
     return graph.call_function(aten.gather.default, (node, 1, label))
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _stored_cast_chain(copy: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node]:
-    """The dtype casts between what ``copy`` stores and the value they cast (used nowhere else)."""
+    """The ops between what ``copy`` stores and the value they apply to, each used nowhere
+    else: dtype casts, and products or quotients by a number (a sampling temperature's
+    ``/ T`` in the gradient). Each maps a row element by element with nothing but that number,
+    so applying it to the value off the label and at the label apart is the same float
+    operation on the same numbers."""
     casts, value = [], copy.args[1]
-    while (
-        isinstance(value, torch.fx.Node) and value.target is aten._to_copy.default and len(value.users) == 1
-    ):
+    while isinstance(value, torch.fx.Node) and len(value.users) == 1:
+        by_number = (
+            value.target in (aten.div.Tensor, aten.mul.Tensor)
+            and len(value.args) == 2 and _is_number(value.args[1]) and not value.kwargs
+        )  # fmt: skip
+        if value.target is not aten._to_copy.default and not by_number:
+            break
         casts.append(value)
         value = value.args[0]
     return casts, value
@@ -213,8 +225,8 @@ def split_label_column(gm: torch.fx.GraphModule, logits_index: int) -> bool:
         off_label = graph.call_function(aten.rsub.Scalar, (dense, 0.0))  # 0 - p * s
         at_label = graph.call_function(aten.sub.Tensor, (at_label, _gathered(graph, dense, label, shape)))
         for cast in reversed(casts):
-            off_label = graph.call_function(cast.target, (off_label,), dict(cast.kwargs))
-            at_label = graph.call_function(cast.target, (at_label,), dict(cast.kwargs))
+            off_label = graph.call_function(cast.target, (off_label, *cast.args[1:]), dict(cast.kwargs))
+            at_label = graph.call_function(cast.target, (at_label, *cast.args[1:]), dict(cast.kwargs))
     copy.args = (logits, off_label)
     output = next(n for n in graph.nodes if n.op == "output")
     results = output.args[0]
