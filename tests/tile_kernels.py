@@ -78,14 +78,8 @@ def program_of(code, dtype, bias: bool, class_weights=False, vocab=V, hidden=H) 
 def ce_key(
     dtype,
     *,
-    upcast=False,
-    softcap=None,
     bias=False,
     class_weights=False,
-    label_smoothing=0.1,
-    returns_logits=False,
-    log_probs=False,
-    temperature=None,
     compiled=True,
     need_hidden=True,
     onednn=False,
@@ -93,13 +87,11 @@ def ce_key(
     tile=T,
     vocab=V,
     hidden=H,
+    **code_options,
 ) -> ProgramKernelKey:
-    """The tile function's key for the textbook cross entropy with these options."""
-    code = cross_entropy_code(
-        upcast=upcast, softcap=softcap, label_smoothing=label_smoothing, returns_logits=returns_logits,
-        log_probs=log_probs, temperature=temperature,
-    )  # fmt: skip
-    program = program_of(code, dtype, bias, class_weights, vocab, hidden)
+    """The tile function's key for the textbook cross entropy (``code_options``: those of
+    :func:`cross_entropy_code`) with these dtypes, sizes and passes."""
+    program = program_of(cross_entropy_code(**code_options), dtype, bias, class_weights, vocab, hidden)
     return ProgramKernelKey(
         program=program.key,
         tile=tile,
