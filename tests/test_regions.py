@@ -88,14 +88,25 @@ def per_token_log_probs(h, w, y, ids, mask, adv, teacher, bias):  # RL: returned
     return F.linear(h, w).log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
+def scaled_by_accuracy(h, w, y, ids, mask, adv, teacher, bias):
+    # the log-probs' sum times a per-token value computed from the logits: the token weights
+    # (derived before the tiles) cannot depend on it, so the op's loss is the sum alone and the
+    # graph multiplies it (a silent zero gradient once)
+    logits = F.linear(h, w)
+    logp = logits.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    correct = (logits.argmax(-1) == ids).to(logits.dtype) + mask
+    return (logp.sum() * correct).sum()
+
+
 FORMS = [ce_z_loss, ce_accuracy, entropy_bonus, grpo_log_softmax_gather, selective_log_softmax, dpo_sigmoid,
-         kl_to_teacher, kl_written_out, bias_in_place_returned, flat_tokens, per_token_log_probs]  # fmt: skip
+         kl_to_teacher, kl_written_out, bias_in_place_returned, flat_tokens, per_token_log_probs,
+         scaled_by_accuracy]  # fmt: skip
 #: the forms whose differentiable outputs end in one scalar through linear token reductions
 # DPO's logsigmoid is not linear, but the margin it is taken of is: the op forms the margin's
 # gradient in forward and the logsigmoid scales it, by the chain rule (slices of the per-sequence
 # sums, sums[0] - sums[1] + sums[2], are linear steps)
 SCALAR_LOSS = {ce_z_loss, ce_accuracy, entropy_bonus, grpo_log_softmax_gather, selective_log_softmax,
-               dpo_sigmoid, kl_to_teacher, kl_written_out, bias_in_place_returned}  # fmt: skip
+               dpo_sigmoid, kl_to_teacher, kl_written_out, bias_in_place_returned, scaled_by_accuracy}  # fmt: skip
 
 
 def _labels(kind: str, device) -> torch.Tensor:

@@ -867,6 +867,10 @@ class _Matcher:
             raise NoMatch("not linear")
         if name.startswith("i") or (isinstance(node.target, str) and node.target.endswith("_")):
             raise NoMatch("in place")
+        if any(isinstance(a, torch.fx.Node) and a in env and a not in linear for a in node.args):
+            # a factor computed from the logits (argmax, a count of correct tokens): the token
+            # weights, derived before the tiles run, would not know its value
+            raise NoMatch("reads a non-differentiable output")
         args = [env[a] if isinstance(a, torch.fx.Node) and a in env else external(a) for a in node.args]
         kwargs = [(k, external(v)) for k, v in node.kwargs.items()]
         return self.step(node, node.target, args, kwargs, node.op)
