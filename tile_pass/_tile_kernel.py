@@ -29,6 +29,7 @@ import contextlib
 import copy
 import functools
 import threading
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -497,6 +498,9 @@ def _compiled_add(acc: torch.Tensor, x: torch.Tensor):
     return _inductor_once("add", _add_, (acc, x))
 
 
+_every_cache: weakref.WeakSet = weakref.WeakSet()
+
+
 class _BoundedCache:
     """A least-recently-used map with at most ``limit`` entries: a long run that meets many
     shapes (or a notebook that recompiles) keeps only the kernels it still uses."""
@@ -504,6 +508,7 @@ class _BoundedCache:
     def __init__(self, limit: int):
         self.limit = limit
         self._entries: OrderedDict = OrderedDict()
+        _every_cache.add(self)  # emptied by clear_caches
 
     def get(self, key):
         value = self._entries.get(key)
@@ -923,9 +928,20 @@ def _on_tracing_thread(trace, key):
     return trace(key)
 
 
+def on_tracing_thread(trace):
+    """``trace()`` on the tracing thread, under the compile lock, uncached: for traces that are
+    not tile functions (tile_pass._token_weights)."""
+    global _tracer
+    with _tracing_lock():
+        with _cache_lock:
+            if _tracer is None:
+                _tracer = concurrent.futures.ThreadPoolExecutor(1, "tile_pass_tracer")
+        return _tracer.submit(_on_tracing_thread, lambda _: trace(), None).result()
+
+
 def clear_caches() -> None:
-    """Drop every traced tile function and compiled accumulation kernel (they are rebuilt on
-    next use); ``torch._dynamo.reset()`` does not reach them."""
+    """Drop every traced tile function, compiled accumulation kernel and derived token-weight
+    graph (they are rebuilt on next use); ``torch._dynamo.reset()`` does not reach them."""
     with _cache_lock:
-        _cache.clear()
-        _compiled_adds.clear()
+        for cache in list(_every_cache):
+            cache.clear()

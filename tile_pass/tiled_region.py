@@ -43,6 +43,7 @@ from tile_pass._tile_kernel import (
     traced_once,
 )
 from tile_pass._tiling import effective_tile, tile_bytes_per_token
+from tile_pass._token_weights import token_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,24 +364,6 @@ def _fake_outputs(program: RowProgram, hidden: torch.Tensor) -> list[torch.Tenso
 # ------------------------------------------------------------------------- scalar loss
 
 
-def _reduction_gradient(
-    program: RowProgram, outputs: list[torch.Tensor], reduce_inputs
-) -> list[torch.Tensor]:
-    """The gradient of the region's scalar loss with respect to each differentiable output,
-    derived by ``torch.autograd.grad`` of the reduction program; it is linear in the outputs,
-    so this is the same at any value of them (they are given as zeros)."""
-    diff = [i for i, out in enumerate(program.outputs) if out.differentiable]
-    with _region.dispatch_as_caller(), torch.enable_grad():
-        outputs = list(outputs)
-        for i in diff:
-            outputs[i] = outputs[i].detach().requires_grad_()
-        loss = _region.run_reduction(program.reduction, outputs, reduce_inputs, outputs[0].device.type)
-        grads = torch.autograd.grad(loss, [outputs[i] for i in diff], allow_unused=True)
-    return [
-        torch.zeros_like(outputs[i]) if g is None else g.detach() for i, g in zip(diff, grads, strict=True)
-    ]
-
-
 @torch.library.custom_op("tile_pass::row_region_loss", mutates_args=())
 def _row_region_loss(
     hidden: torch.Tensor,
@@ -402,9 +385,7 @@ def _row_region_loss(
     region = _region.lookup(program)
     _check_indices(region, token_inputs)
     # the token weights: d loss / d output, independent of the outputs (a linear reduction)
-    weights = _reduction_gradient(region, _zero_outputs(region, hidden), reduce_inputs)
-    diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
-    tangents = dict(zip(diff, weights, strict=True))
+    tangents = token_weights(region, _zero_outputs(region, hidden), reduce_inputs)
     rows = _skipped_rows(region, token_inputs, hidden, tangents, values=True)
     outputs, *grads = _run_tiles(
         region, hidden, weight, bias, token_inputs, row_inputs, tangents, tile_tokens, compile_tiles,
