@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module
 
+from tile_pass._options import TileOptions
 from tile_pass.rewrite import rewrite_graph
 
 
@@ -119,10 +120,9 @@ def _build(options: Options) -> torch.fx.GraphModule:
         examples = _examples(options, mode)
         with mode:  # its own mode, also where the caller runs under another (a fake-tensor trace)
             _ExampleValues(gm).run(*examples)
-        result = rewrite_graph(
-            gm, tile_tokens=options.tile_tokens, tile_bytes=options.tile_bytes,
-            compile_tiles=options.compile_tiles, strict=True,
-        )  # fmt: skip
+        tiling = TileOptions(options.tile_tokens, options.tile_bytes, compile_tiles=options.compile_tiles,
+                             strict=True)  # fmt: skip
+        result = rewrite_graph(gm, tiling)
         if len(result.report.rewrites) != 1:
             reasons = "; ".join(s.reason for s in result.report.skipped) or "no region found"
             raise RuntimeError(f"tile_pass: internal error: the textbook loss was not rewritten ({reasons})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch.fx
 from tile_pass import _dump, _settings
 from tile_pass._higher_order import guard_outputs, outputs_guarded, region_outputs
 from tile_pass._logging import log
+from tile_pass._options import TileOptions
 from tile_pass._oracle import validating_call
 from tile_pass._returned_logits import rebuild_outputs
 from tile_pass.report import GraphReport, Report
@@ -69,26 +71,22 @@ class Backend:
         keep_reports: int = 64,
         strict: bool | None = None,
     ):
-        if tile_tokens is not None and tile_tokens < 1:
-            raise ValueError(f"tile_tokens must be a positive integer, got {tile_tokens}")
-        if tile_bytes is not None and tile_bytes < 1:
-            raise ValueError(f"tile_bytes must be a positive number of bytes, got {tile_bytes}")
         self.inner = inner
-        self.tile_tokens = tile_tokens
-        self.tile_bytes = tile_bytes
-        self.drop_logits = drop_logits
         self.dump_dir = dump_dir
         self.validate = validate
-        # tiles are compiled by Inductor unless the graph itself is run by a debugging
-        # compiler (eager, aot_eager); a custom callable gets compiled tiles, as inductor does
-        self.compile_tiles = (inner not in ("eager", "aot_eager")) if compile_tiles is None else compile_tiles
         self.mode = mode
         self.options = dict(options) if options else None
-        # an internal error of the pass raises instead of leaving the graph untouched
-        self.strict = _settings.current().strict if strict is None else bool(strict)
+        self.tiling = TileOptions(
+            tile_tokens=tile_tokens,
+            tile_bytes=tile_bytes,
+            drop_logits=drop_logits,
+            # tiles are compiled by Inductor unless the graph itself is run by a debugging
+            # compiler (eager, aot_eager); a custom callable gets compiled tiles, as inductor does
+            compile_tiles=(inner not in ("eager", "aot_eager")) if compile_tiles is None else compile_tiles,
+            # an internal error of the pass raises instead of leaving the graph untouched
+            strict=_settings.current().strict if strict is None else bool(strict),
+        )
         self._inner = _resolve_inner(inner, mode, self.options)
-        # explain's recorder sizes tiles as the explained backend does but runs them eagerly
-        self._run_tiles_compiled = self.compile_tiles
         self._graphs_seen = 0
         self.reports: collections.deque[GraphReport] = collections.deque(maxlen=keep_reports)
 
@@ -115,16 +113,7 @@ class Backend:
         if dump_dir:
             _dump.draw_before(gm, dump_dir, self._graphs_seen)
         original = copy.deepcopy(gm) if self.validate else None
-        result = rewrite_graph(
-            gm,
-            graph_index=self._graphs_seen,
-            tile_tokens=self.tile_tokens,
-            tile_bytes=self.tile_bytes,
-            drop_logits=self.drop_logits,
-            compile_tiles=self.compile_tiles,
-            run_compiled_tiles=self._run_tiles_compiled,
-            strict=self.strict,
-        )
+        result = rewrite_graph(gm, self.tiling, graph_index=self._graphs_seen)
         report = result.report
         self._graphs_seen += 1
         self.reports.append(report)
@@ -181,17 +170,8 @@ class Backend:
         logits. To be quick, the call runs the rewritten forward with the inner compiler
         ``eager`` and uncompiled tiles of those sizes.
         """
-        recorder = Backend(
-            "eager",
-            tile_tokens=self.tile_tokens,
-            tile_bytes=self.tile_bytes,
-            drop_logits=self.drop_logits,
-            dump_dir=self.dump_dir,
-            compile_tiles=self.compile_tiles,
-            keep_reports=1024,
-            strict=self.strict,
-        )
-        recorder._run_tiles_compiled = False
+        recorder = Backend("eager", dump_dir=self.dump_dir, keep_reports=1024)
+        recorder.tiling = dataclasses.replace(self.tiling, run_compiled_tiles=False)
         breaks_before = collections.Counter(torch._dynamo.utils.counters["graph_break"])
         torch.compile(fn, backend=recorder)(*args, **kwargs)
         report = recorder.report()
@@ -199,11 +179,20 @@ class Backend:
         report.graph_breaks = [_summarise_break(reason) for reason in new_breaks]
         return report
 
+    @property
+    def compile_tiles(self) -> bool:
+        return self.tiling.compile_tiles
+
+    @property
+    def strict(self) -> bool:
+        return self.tiling.strict
+
     def __repr__(self) -> str:
+        t = self.tiling
         return (
-            f"tile_pass.backend(inner={self.inner!r}, tile_tokens={self.tile_tokens}, "
-            f"tile_bytes={self.tile_bytes}, drop_logits={self.drop_logits}, dump_dir={self.dump_dir!r}, "
-            f"validate={self.validate}, compile_tiles={self.compile_tiles}, strict={self.strict}"
+            f"tile_pass.backend(inner={self.inner!r}, tile_tokens={t.tile_tokens}, "
+            f"tile_bytes={t.tile_bytes}, drop_logits={t.drop_logits}, dump_dir={self.dump_dir!r}, "
+            f"validate={self.validate}, compile_tiles={t.compile_tiles}, strict={t.strict}"
             + (f", mode={self.mode!r}" if self.mode else "")
             + (f", options={self.options!r}" if self.options else "")
             + ")"

@@ -27,6 +27,7 @@ from tile_pass import _region_match, _rules, _weight_grad
 from tile_pass._fold_loops import fold_row_loops
 from tile_pass._fx import as_linear, val
 from tile_pass._logging import log
+from tile_pass._options import TileOptions
 from tile_pass._returned_logits import ReturnedLogits
 from tile_pass._rules import NoMatch, bind, describe
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
@@ -61,48 +62,35 @@ def _is_loss(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in (F.cross_entropy, F.nll_loss)
 
 
-def rewrite_graph(
-    gm: torch.fx.GraphModule,
-    *,
-    graph_index: int = 0,
-    tile_tokens: int | None = None,
-    tile_bytes: int | None = None,
-    drop_logits: bool = False,
-    compile_tiles: bool = False,
-    run_compiled_tiles: bool | None = None,
-    strict: bool = False,
-) -> GraphRewrite:
+def rewrite_graph(gm: torch.fx.GraphModule, options: TileOptions, *, graph_index: int = 0) -> GraphRewrite:
     """Rewrite every exactly-matched region of ``gm`` in place; report every candidate.
 
-    ``compile_tiles`` is the plan (tile sizes follow its byte model, the report says it);
-    ``run_compiled_tiles`` (default: the same) is what the rewritten graph runs, which
-    ``explain`` sets to False to stay quick without changing the plan it reports.
+    ``options.compile_tiles`` is the plan (tile sizes follow its byte model, the report says
+    it); ``options.runs_compiled_tiles`` is what the rewritten graph runs (``explain`` runs
+    uncompiled tiles of the planned sizes, to stay quick).
 
     The pass is only an optimisation, so it must never be why a training run dies: an error
     other than a deliberate no-match, raised while matching, planning or rewriting a region,
     puts back the graph as Dynamo gave it (every region of it), logs a WARNING naming the
     error and the region's lines, and is reported as a skip ("internal error: ..."). With
     ``strict`` (the project's own tests, ``TILE_PASS_STRICT=1``) it is raised instead."""
-    run_compiled_tiles = compile_tiles if run_compiled_tiles is None else run_compiled_tiles
     pristine = _copy_graph(gm.graph)
     region: list[torch.fx.Node] = []  # the nodes of the region being rewritten, for the report
     try:
         # per-row loops (TRL's selective_log_softmax) folded into one row-wise op, kept only if
         # that lets the pass tile a region; else the regions are found again in Dynamo's graph
         if fold_row_loops(gm):
-            result = _rewrite_regions(gm, graph_index, tile_tokens, tile_bytes, drop_logits, compile_tiles,
-                                      run_compiled_tiles, region)  # fmt: skip
+            result = _rewrite_regions(gm, graph_index, options, region)
             if result.report.rewrites:
                 result.original_graph = pristine
                 return result
             gm.graph = _copy_graph(pristine)
             gm.recompile()
-        result = _rewrite_regions(gm, graph_index, tile_tokens, tile_bytes, drop_logits, compile_tiles,
-                                  run_compiled_tiles, region)  # fmt: skip
+        result = _rewrite_regions(gm, graph_index, options, region)
         result.original_graph = pristine
         return result
     except Exception as error:
-        if strict:
+        if options.strict:
             raise
         gm.graph = pristine
         gm.recompile()
@@ -149,14 +137,11 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     return copy
 
 
-def _rewrite_regions(
-    gm, graph_index, tile_tokens, tile_bytes, drop_logits, compile_tiles, run_compiled_tiles, region
-) -> GraphRewrite:
+def _rewrite_regions(gm, graph_index: int, options: TileOptions, region: list) -> GraphRewrite:
     result = GraphRewrite(GraphReport(index=graph_index))
     report = result.report
     losses = [n for n in gm.graph.nodes if _is_loss(n)]
-    _rewrite_row_regions(gm, result, losses, tile_tokens, tile_bytes, drop_logits, compile_tiles,
-                         run_compiled_tiles, region)  # fmt: skip
+    _rewrite_row_regions(gm, result, losses, options, region)
     # a loss no region took, nor reported: why its logits were not tiled
     report.skipped[:0] = [
         Skip(graph_index, source_line(loss), _why_untiled(loss)) for loss in losses if loss.graph is not None
@@ -206,11 +191,7 @@ def _rewrite_row_regions(
     gm,
     result: GraphRewrite,
     losses: list[torch.fx.Node],
-    tile_tokens,
-    tile_bytes,
-    drop_logits,
-    compile_tiles,
-    run_compiled_tiles,
+    options: TileOptions,
     current: list,
 ) -> None:
     """Every LM-head projection's region (see ``_region_match``), rewritten or skipped with the
@@ -223,22 +204,22 @@ def _rewrite_row_regions(
             continue
         current[:] = [node]
         try:
-            region = _region_match.match_row_region(gm.graph, node, states, drop_logits)
+            region = _region_match.match_row_region(gm.graph, node, states, options.drop_logits)
             if region is None:
                 continue
             dtype = val(node).dtype
             vocab = region.program.vocab_size
             tile = choose_tile_tokens(
-                vocab, dtype, dtype != torch.float32, tile_tokens=tile_tokens, tile_bytes=tile_bytes,
-                device=val(node).device, fused=compile_tiles,
+                vocab, dtype, dtype != torch.float32, tile_tokens=options.tile_tokens,
+                tile_bytes=options.tile_bytes, device=val(node).device, fused=options.compile_tiles,
             )  # fmt: skip
-            if tile_tokens is None:
+            if options.tile_tokens is None:
                 tile = auto_tile(tile)
             current[:] = [region.projection, region.sink or region.outputs[0].node]
             covered = set(region.nodes) | set(region.reduction_nodes)
             loss_line = source_line(region.sink or region.outputs[0].node)
             handled = _region_match.rewrite_row_region(
-                gm.graph, region, tile_tokens=tile, compile_tiles=run_compiled_tiles, result=result,
+                gm.graph, region, tile_tokens=tile, compile_tiles=options.runs_compiled_tiles, result=result,
                 autocast_states=states,
             )  # fmt: skip
         except NoMatch as why:
@@ -250,7 +231,7 @@ def _rewrite_row_regions(
             continue
         losses[:] = [loss for loss in losses if loss not in covered]
         num_tokens = region.num_tokens
-        tile_now, schedule = _planned_tile(region, num_tokens, tile, dtype, compile_tiles)
+        tile_now, schedule = _planned_tile(region, num_tokens, tile, dtype, options.compile_tiles)
         itemsize = dtype.itemsize
         returned = [val(o.node) for o in region.outputs if o.layout.kind == "rows"]
         returned += [val(node) for node in region.kept_whole]
@@ -277,7 +258,7 @@ def _rewrite_row_regions(
                 backward_bytes_avoided=_plain(num_tokens * vocab * (4 + (itemsize if itemsize != 4 else 0))),
                 returned_logits=handled,
                 returned_logits_bytes=_plain(kept),
-                compiled_tiles=compile_tiles,
+                compiled_tiles=options.compile_tiles,
                 weight_grad_sum=_weight_grad_sum(schedule, dtype),
             )
         )
