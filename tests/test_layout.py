@@ -29,7 +29,8 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + [base]).strip(".")
             names = [f"{base}.{alias.name}" for alias in node.names] + [base]
         else:
             continue

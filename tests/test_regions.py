@@ -106,7 +106,8 @@ FORMS = [ce_z_loss, ce_accuracy, entropy_bonus, grpo_log_softmax_gather, selecti
 # gradient in forward and the logsigmoid scales it, by the chain rule (slices of the per-sequence
 # sums, sums[0] - sums[1] + sums[2], are linear steps)
 SCALAR_LOSS = {ce_z_loss, ce_accuracy, entropy_bonus, grpo_log_softmax_gather, selective_log_softmax,
-               dpo_sigmoid, kl_to_teacher, kl_written_out, bias_in_place_returned, scaled_by_accuracy}  # fmt: skip
+               dpo_sigmoid, kl_to_teacher, kl_written_out, bias_in_place_returned,
+               scaled_by_accuracy}  # fmt: skip
 
 
 def _labels(kind: str, device) -> torch.Tensor:
