@@ -21,6 +21,10 @@ CASES = [
     dict(reduction="mean", label_smoothing=0.0, dtype=torch.float32),
     dict(reduction="sum", label_smoothing=0.1, dtype=torch.float32),
     dict(reduction="mean", label_smoothing=0.0, dtype=torch.bfloat16),
+    # what the sharded textbook program takes beyond the former op: per-token losses (a
+    # non-uniform upstream gradient, the vector-Jacobian product) and a scaled, capped head
+    dict(reduction="none", label_smoothing=0.1, dtype=torch.float32),
+    dict(reduction="mean", label_smoothing=0.0, dtype=torch.float32, logit_scale=0.5, softcap=3.0),
 ]
 
 
@@ -46,6 +50,17 @@ def _data():
     return hidden, weight, target
 
 
+def _head_options(case):
+    return {k: case[k] for k in ("reduction", "label_smoothing", "logit_scale", "softcap") if k in case}
+
+
+def _objective(loss):
+    """The scalar to differentiate: the loss, or per-token losses weighted unevenly."""
+    if loss.dim() == 0:
+        return loss
+    return (loss * torch.linspace(-1.0, 2.0, loss.shape[0], dtype=loss.dtype)).sum()
+
+
 def _worker(rank, port, outdir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -58,20 +73,17 @@ def _worker(rank, port, outdir):
             dtype = case["dtype"]
             w = torch.nn.Parameter(distribute_tensor(weight.to(dtype), mesh, [Shard(0)]))
             h = hidden.to(dtype).requires_grad_()
-            loss = tile_pass.linear_cross_entropy(
-                h, w, target, reduction=case["reduction"], label_smoothing=case["label_smoothing"],
-                tile_tokens=TILE,
-            )  # fmt: skip
-            loss.backward()
+            loss = tile_pass.linear_cross_entropy(h, w, target, tile_tokens=TILE, **_head_options(case))
+            _objective(loss).backward()
             results.append(dict(loss=loss.detach(), grad_hidden=h.grad, grad_weight=w.grad.full_tensor(),
                                 local_rows=w.to_local().shape[0]))  # fmt: skip
-        # compiled (fullgraph: the DTensor unwrapping and the op trace without a break)
+        # compiled (fullgraph, dynamic: the DTensor unwrapping and the textbook graph trace without a break)
         hidden, weight, target = _data()
         w = torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
         h = hidden.requires_grad_()
         step = torch.compile(
             lambda h, w, y: tile_pass.linear_cross_entropy(h, w, y, tile_tokens=TILE), backend="aot_eager",
-            fullgraph=True,
+            fullgraph=True, dynamic=True,
         )  # fmt: skip
         loss = step(h, w, target)
         loss.backward()
@@ -84,23 +96,39 @@ def _worker(rank, port, outdir):
         with pytest.raises(NotImplementedError, match="Shard\\(0\\)"):
             tile_pass.linear_cross_entropy(_data()[0], distribute_tensor(_data()[1], mesh, [Replicate()]),
                                            _data()[2])  # fmt: skip
+        hidden, weight, target = _data()
+        w = distribute_tensor(weight, mesh, [Shard(0)])
+        unsupported = [dict(linear_bias=torch.zeros(V)), dict(weight=torch.ones(V))]
+        for options, y in [*((o, target) for o in unsupported), ({}, torch.rand(N, V).softmax(-1))]:
+            with pytest.raises(NotImplementedError, match="full_tensor"):
+                tile_pass.linear_cross_entropy(hidden, w, y, **options)
+        with pytest.raises(IndexError, match=f"Target {V} is out of bounds"):
+            tile_pass.linear_cross_entropy(hidden, w, torch.full((N,), V))
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
 
 
-def _reference(case):
+def _eager(case, dtype):
+    """The textbook loss on the whole head, in ``dtype`` (the logits upcast to float32 unless
+    float64): loss and gradients."""
     hidden, weight, target = _data()
-    h, w = hidden.double().requires_grad_(), weight.double().requires_grad_()
-    loss = F.cross_entropy(F.linear(h, w), target, reduction=case["reduction"],
-                           label_smoothing=case["label_smoothing"])  # fmt: skip
-    return loss.detach(), *torch.autograd.grad(loss, (h, w))
+    h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+    logits = F.linear(h, w)
+    if "logit_scale" in case:
+        logits = logits * case["logit_scale"]
+    if "softcap" in case:
+        logits = torch.tanh(logits / case["softcap"]) * case["softcap"]
+    logits = logits if dtype == torch.float64 else logits.float()
+    options = {k: case[k] for k in ("reduction", "label_smoothing")}
+    loss = F.cross_entropy(logits, target, **options)
+    return loss.detach(), *torch.autograd.grad(_objective(loss), (h, w))
+
+
+def _reference(case):
+    return _eager(case, torch.float64)
 
 
 def _eager_same_dtype(case):
-    hidden, weight, target = _data()
-    h, w = hidden.to(case["dtype"]).requires_grad_(), weight.to(case["dtype"]).requires_grad_()
-    loss = F.cross_entropy(F.linear(h, w).float(), target, reduction=case["reduction"],
-                           label_smoothing=case["label_smoothing"])  # fmt: skip
-    return loss.detach(), *torch.autograd.grad(loss, (h, w))
+    return _eager(case, case["dtype"])
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
