@@ -263,7 +263,7 @@ def _shard_program_steps(matcher) -> list[Step]:
     if matcher.bias is not None:
         raise NoMatch("a vocabulary-sharded head with a bias is not tiled in tensor-parallel form yet")
     for token_input in matcher.token_inputs:
-        if token_input.part:
+        if token_input.part not in ((), (1,)):  # per token: a label, a gather index, a mask
             raise NoMatch("a [tokens, V] operand (a teacher's logits) is not sharded with the head yet")
     if any(not row.zero_dim for row in matcher.row_inputs):
         raise NoMatch("a [V] operand of the logits is not sharded with the head yet")
