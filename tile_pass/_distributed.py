@@ -206,7 +206,13 @@ def run_sharded_region(hidden, weight, bias, token_inputs, row_inputs, reduce_in
     return [DTensor.from_local(out, mesh, [Replicate()], run_check=False) for out in outputs]
 
 
-def local_head(hidden, weight, target, bias, class_weights):
+def local_head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[str, int, int]]:
     """``(hidden, weight, target, shard)``: this rank's plain pieces of
     :func:`tile_pass.linear_cross_entropy`'s vocabulary-sharded head (a ``Shard(0)`` DTensor
     weight on a 1-D mesh, uneven shards included) and replicated hidden states and targets

@@ -69,7 +69,9 @@ def linear_cross_entropy(
     upcast, inside each tile. With ``reduction="none"`` the result has the target's token
     shape (``()`` for one unbatched token). ``compile_tiles=True`` compiles each tile's
     softmax/loss/gradient with Inductor (faster steps, a one-off compile per tile shape).
-    ``bias`` (positional) is the same as ``linear_bias``, kept for earlier callers.
+    ``bias`` (positional) is the same as ``linear_bias``, kept for earlier callers. A ``DTensor``
+    ``linear_weight`` sharded over the vocabulary (``Shard(0)`` on a 1-D tensor-parallel mesh)
+    runs the same region on this rank's rows (no bias, class weights or probability targets yet).
 
     Works in eager code and inside ``torch.compile`` (no graph break, no host sync).
     """
