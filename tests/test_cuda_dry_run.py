@@ -195,7 +195,7 @@ def _modules():
 
     import tile_pass
 
-    names = ("_tile_kernel", "_tiling", "_weight_grad", "_split_sum_cpu", "tiled_region", "vocab_parallel")
+    names = ("_tile_kernel", "_tiling", "_weight_grad", "_split_sum_cpu", "tiled_region")
     return tile_pass, {name: importlib.import_module(f"tile_pass.{name}") for name in names}
 
 
@@ -259,7 +259,7 @@ def _recorded_inductor():
     patches = [mock.patch("torch._inductor.compile_fx.compile_fx", compile_fx)]
     patches += [
         mock.patch.object(m[name], "finish_tile_graph", finish_with_fake_examples)
-        for name in ("_tile_kernel", "tiled_region", "vocab_parallel")
+        for name in ("_tile_kernel", "tiled_region")
     ]
     tile_pass.clear_caches()
     with contextlib.ExitStack() as stack:
@@ -348,7 +348,7 @@ def _implementations():
     on fake tensors runs the tile loops (an op on fake tensors runs its fake kernel instead)."""
     _, m = _modules()
     ops = [("tiled_region", "_row_region_loss"), ("tiled_region", "_row_region"),
-           ("tiled_region", "_row_region_backward"), ("vocab_parallel", "_vocab_parallel_ce")]  # fmt: skip
+           ("tiled_region", "_row_region_backward")]  # fmt: skip
     with contextlib.ExitStack() as stack:
         for module, name in ops:
             stack.enter_context(mock.patch.object(m[module], name, getattr(m[module], name)._init_fn))
@@ -841,8 +841,8 @@ def _check_traced_loops(dtype, compiled):
 
 def _check_vocab_parallel(dtype):
     """A vocabulary-sharded head on a one-rank gloo group and a cuda device mesh: the DTensor front
-    door runs the sharded tile loop on fake cuda tensors (the op's fake kernel, then its
-    implementation), and a make_fx trace of it has its collectives and no host sync."""
+    door runs its sharded textbook region on fake cuda tensors (the op's fake kernel, then the
+    one tile loop), and a make_fx trace of that loop has its collectives and no host sync."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
@@ -850,13 +850,12 @@ def _check_vocab_parallel(dtype):
 
     _quiet()
     tile_pass, m = _modules()
-    vocab_parallel = m["vocab_parallel"]
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = DeviceMesh("cuda", [0])
-        N, H, V = 300, 64, 1000
+        H, V = 64, 1000
         mode = _fake_mode()
         with mode:
             h = torch.randn(3, 100, H, dtype=dtype, device=CUDA, requires_grad=True)
@@ -868,21 +867,17 @@ def _check_vocab_parallel(dtype):
             loss.backward()
             _assert_fake_cuda(h.grad, (3, 100, H), dtype, "hidden gradient")
             _assert_fake_cuda(w.grad, (V, H), dtype, "weight shard gradient")
-            with _implementations():
+        with _recorded_implementations() as calls:
+            with mode:
                 for reduction in ("mean", "sum"):
-                    loss = tile_pass.linear_cross_entropy(h, head, y, reduction=reduction, tile_tokens=128)
+                    loss = tile_pass.linear_cross_entropy(
+                        h, head, y, reduction=reduction, label_smoothing=0.1, tile_tokens=128
+                    )
                     _assert_fake_cuda(loss, (), torch.float32, f"sharded {reduction} loss (tile loop)")
-            group = mesh.get_group().group_name
-            flat_h, flat_y = h.detach().view(N, H), y.view(N)
-
-        def sharded(h, w, y):
-            return vocab_parallel._vocab_parallel_ce._init_fn(
-                h, w, y, group_name=group, vocab_start=0, vocab_size=V, ignore_index=-100,
-                label_smoothing=0.1, mean=True, upcast=dtype != torch.float32, tile_tokens=128,
-                compile_tiles=False, need_hidden=True, need_weight=True,
-            )  # fmt: skip
-
-        traced = make_fx(sharded, tracing_mode="fake")(flat_h, w.detach(), flat_y)
+        (name, args, kwargs, _), _ = calls
+        assert name == "_row_region_loss", name
+        implementation = m["tiled_region"]._row_region_loss._init_fn  # the loop, not the op
+        traced = make_fx(lambda *a: implementation(*a, **kwargs), tracing_mode="fake")(*args)
         names = [str(n.target).replace("allreduce", "all_reduce") for n in traced.graph.nodes]
         # 3 tiles with 4 functional all-reduces each (max, sum of exponentials, target logit, mean
         # logit), then the in-place one of the hidden gradient

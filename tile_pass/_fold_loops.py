@@ -139,7 +139,7 @@ def _fake_value(node: torch.fx.Node):
     args = torch.fx.node.map_aggregate(node.args, value)
     kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
     fake = next(v for v in torch.fx.node.map_aggregate(args, lambda v: v) if isinstance(v, torch.Tensor))
-    with fake.fake_mode:
+    with getattr(fake, "_local_tensor", fake).fake_mode:  # a DTensor's is its local tensor's
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         return node.target(*args, **kwargs)

@@ -217,7 +217,7 @@ def _vocab_shard(hidden, weight, out) -> tuple[str, int, int]:
     (torchtitan's ``ColwiseParallel(output_layouts=Shard(-1))``); ``NoMatch`` otherwise."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from tile_pass.vocab_parallel import shard_rows
+    from tile_pass._distributed import shard_rows
 
     mesh = getattr(weight, "device_mesh", None)
     if mesh is None or mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
@@ -253,9 +253,9 @@ _VOCAB_FUNCTIONS = (F.log_softmax, F.softmax, torch.gather, F.cross_entropy, F.n
 
 def _shard_program_steps(matcher) -> list[Step]:
     """The region's steps on this rank's ``[tile, V_r]`` logits: each step over the vocabulary
-    in its group-wide form (``tile_pass.vocab_parallel.shard_step``), reshapes of rows to the
+    in its group-wide form (``tile_pass._distributed.shard_step``), reshapes of rows to the
     shard's width; ``NoMatch`` naming what has no sharded form."""
-    from tile_pass.vocab_parallel import shard_elementwise, shard_step
+    from tile_pass._distributed import shard_elementwise, shard_step
 
     group_name, start, rows = matcher.shard
     if matcher.autocast_dtype is not None:
@@ -263,7 +263,7 @@ def _shard_program_steps(matcher) -> list[Step]:
     if matcher.bias is not None:
         raise NoMatch("a vocabulary-sharded head with a bias is not tiled in tensor-parallel form yet")
     for token_input in matcher.token_inputs:
-        if token_input.part:
+        if token_input.part not in ((), (1,)):  # per token: a label, a gather index, a mask
             raise NoMatch("a [tokens, V] operand (a teacher's logits) is not sharded with the head yet")
     if any(not row.zero_dim for row in matcher.row_inputs):
         raise NoMatch("a [V] operand of the logits is not sharded with the head yet")
@@ -316,6 +316,10 @@ class _Matcher:
         self.shard = None  # (group name, first row, rows) of a vocabulary-sharded head
         if any(hasattr(v, "placements") for v in (hidden_val, weight_val, out_val)):
             self.shard = _vocab_shard(hidden_val, weight_val, out_val)
+        elif isinstance(self.weight, torch.fx.Node):  # given explicitly (the functional API)
+            from tile_pass._distributed import VOCAB_SHARD_META
+
+            self.shard = self.weight.meta.get(VOCAB_SHARD_META)
         self.vocab, hidden_size = weight_val.shape
         if not same(hidden_val.shape[-1], hidden_size) or not same(out_val.shape[-1], self.vocab):
             raise NoMatch("the hidden states do not match the LM-head weight")
@@ -1031,8 +1035,8 @@ def rewrite_row_region(
         row_nodes = [
             graph.call_method("reshape", (r.node, () if r.zero_dim else (-1,))) for r in region.row_inputs
         ]
-        if region.program.shard is not None:
-            from tile_pass.vocab_parallel import run_sharded_region as run_region
+        if region.program.shard is not None and hasattr(val(region.weight), "device_mesh"):  # DTensors
+            from tile_pass._distributed import run_sharded_region as run_region
         call = graph.call_function(
             run_region,
             (

@@ -5,7 +5,9 @@ options it writes the code a user would write (``F.cross_entropy(F.linear(h, w, 
 y, ...)``), traces it with ``torch.fx.symbolic_trace``, gives its nodes fake example values,
 and lets the backend's own rewrite (:func:`tile_pass.rewrite.rewrite_graph`) replace it with
 the tiled region, exactly as it would in a user's compiled model: one matcher, one program,
-one tile loop. The rewritten graph is then called like a function.
+one tile loop. The rewritten graph is then called like a function. A vocabulary-sharded head
+is the same code, traced on the whole head's shapes, its weight marked with this rank's shard
+(``tile_pass._distributed.local_head`` says why) and called with this rank's rows.
 
 Inside ``torch.compile`` the graph is found by a key that
 :func:`torch.compiler.assume_constant_result` computes while Dynamo traces (the options are
@@ -51,6 +53,9 @@ class Options(NamedTuple):
     tile_tokens: int | None
     tile_bytes: int | None
     compile_tiles: bool
+    #: a vocabulary-sharded head: ``(process group name, this rank's first row, its rows)``
+    #: (``tile_pass._distributed.local_head``); ``vocab_size`` is then the whole head's
+    vocab_shard: tuple[str, int, int] | None = None
 
 
 def _textbook_code(options: Options):
@@ -120,6 +125,11 @@ def _build(options: Options) -> torch.fx.GraphModule:
         examples = _examples(options, mode)
         with mode:  # its own mode, also where the caller runs under another (a fake-tensor trace)
             _ExampleValues(gm).run(*examples)
+        if options.vocab_shard is not None:  # the whole head's shapes; this rank's rows at run time
+            from tile_pass._distributed import VOCAB_SHARD_META
+
+            weight = [node for node in gm.graph.nodes if node.op == "placeholder"][1]
+            weight.meta[VOCAB_SHARD_META] = options.vocab_shard
         tiling = TileOptions(options.tile_tokens, options.tile_bytes, compile_tiles=options.compile_tiles,
                              strict=True)  # fmt: skip
         result = rewrite_graph(gm, tiling)

@@ -4,7 +4,8 @@ It checks its arguments as torch does (same errors, same messages where torch ha
 then runs the one region path: the textbook loss for its options, traced and rewritten by the
 backend's own pass (:mod:`tile_pass._textbook`), so the tiles, their derived gradient, the
 planner and every post-trace pass are the compiled path's own. A vocabulary-sharded
-(``DTensor``) head goes to :mod:`tile_pass.vocab_parallel`.
+(``DTensor``) head is the same textbook region on this rank's rows
+(:func:`tile_pass._distributed.local_head`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import operator
 import torch
 
 from tile_pass import _textbook
-from tile_pass._tiling import auto_tile, choose_tile_tokens
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -69,20 +69,21 @@ def linear_cross_entropy(
     upcast, inside each tile. With ``reduction="none"`` the result has the target's token
     shape (``()`` for one unbatched token). ``compile_tiles=True`` compiles each tile's
     softmax/loss/gradient with Inductor (faster steps, a one-off compile per tile shape).
-    ``bias`` (positional) is the same as ``linear_bias``, kept for earlier callers.
+    ``bias`` (positional) is the same as ``linear_bias``, kept for earlier callers. A ``DTensor``
+    ``linear_weight`` sharded over the vocabulary (``Shard(0)`` on a 1-D tensor-parallel mesh)
+    runs the same region on this rank's rows (no bias, class weights or probability targets yet).
 
     Works in eager code and inside ``torch.compile`` (no graph break, no host sync).
     """
     hidden = input
-    if _is_dtensor(linear_weight):
-        return _vocab_parallel(
-            hidden, linear_weight, target, linear_bias if linear_bias is not None else bias, weight,
-            reduction, ignore_index, label_smoothing, tile_tokens, tile_bytes, upcast, logit_scale, softcap,
-            compile_tiles,
-        )  # fmt: skip
     if bias is not None and linear_bias is not None:
         raise TypeError("pass the projection's bias once: as linear_bias= (torch's name) or positionally")
     bias = linear_bias if linear_bias is not None else bias
+    head_shape, vocab_shard = linear_weight.shape, None  # a DTensor's shape is the whole head's
+    if _is_dtensor(linear_weight):  # this rank's rows of a vocabulary-sharded head
+        from tile_pass._distributed import local_head
+
+        hidden, linear_weight, target, vocab_shard = local_head(hidden, linear_weight, target, bias, weight)
     if weight is not None and weight.dim() != 1:
         raise TypeError(
             f"weight= is the class weights, a 1-D [V] tensor, as in torch's F.linear_cross_entropy and "
@@ -93,9 +94,9 @@ def linear_cross_entropy(
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if linear_weight.dim() != 2:
-        raise ValueError(f"linear_weight must be 2-D [V, H], got shape {tuple(linear_weight.shape)}")
-    vocab_size, hidden_size = linear_weight.shape
+    if len(head_shape) != 2:
+        raise ValueError(f"linear_weight must be 2-D [V, H], got shape {tuple(head_shape)}")
+    vocab_size, hidden_size = head_shape
     if hidden.dim() < 1 or hidden.shape[-1] != hidden_size:
         raise ValueError(
             f"input's last dimension must equal linear_weight.shape[1] = {hidden_size}, "
@@ -171,6 +172,7 @@ def linear_cross_entropy(
         ignore_index=operator.index(ignore_index), label_smoothing=_constant_float(label_smoothing),
         reduction=reduction, tile_tokens=_constant_int(tile_tokens), tile_bytes=_constant_int(tile_bytes),
         compile_tiles=bool(compile_tiles),
+        vocab_shard=vocab_shard,
     )  # fmt: skip
     loss = _textbook.run(options, hidden, linear_weight, bias, target, weight)
     return loss.view(target_shape) if reduction == "none" else loss
@@ -193,35 +195,3 @@ def _is_dtensor(tensor) -> bool:
     except ImportError:  # a torch build without distributed
         return False
     return isinstance(tensor, DTensor)
-
-
-def _vocab_parallel(
-    hidden, linear_weight, target, bias, class_weight, reduction, ignore_index, label_smoothing, tile_tokens,
-    tile_bytes, upcast, logit_scale, softcap, compile_tiles,
-) -> torch.Tensor:  # fmt: skip
-    """A vocabulary-sharded head (see :mod:`tile_pass.vocab_parallel`)."""
-    from tile_pass.vocab_parallel import vocab_parallel_cross_entropy
-
-    unsupported = {"linear_bias": bias, "weight (class weights)": class_weight, "logit_scale": logit_scale,
-                   "softcap": softcap}  # fmt: skip
-    given = [name for name, value in unsupported.items() if value is not None]
-    if given or target.is_floating_point():
-        what = ", ".join(given) or "class-probability targets"
-        raise NotImplementedError(f"tile_pass: a vocabulary-sharded head does not take {what} yet")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    vocab_size, hidden_size = linear_weight.shape
-    if hidden.shape[-1] != hidden_size:
-        raise ValueError(f"input's last dimension must equal linear_weight.shape[1] = {hidden_size}")
-    upcast = bool(upcast) and hidden.dtype in (torch.float16, torch.bfloat16)
-    local_vocab = linear_weight.to_local().shape[0]
-    tile = choose_tile_tokens(
-        max(local_vocab, 1), hidden.dtype, upcast, tile_tokens=tile_tokens, tile_bytes=tile_bytes,
-        device=hidden.device, fused=compile_tiles,
-    )  # fmt: skip
-    return vocab_parallel_cross_entropy(
-        _flatten_tokens(hidden), linear_weight, target.reshape(-1), reduction=reduction,
-        ignore_index=-100 if ignore_index is None else int(ignore_index), label_smoothing=label_smoothing,
-        upcast=upcast, tile_tokens=tile if tile_tokens is not None else auto_tile(tile),
-        compile_tiles=compile_tiles,
-    )  # fmt: skip

@@ -114,8 +114,8 @@ def is_region_node(node: torch.fx.Node) -> bool:
     """A call the rewrite inserted, or a tile_pass op the user's code called (the functional API)."""
     if node.op != "call_function":
         return False
+    from tile_pass._distributed import run_sharded_region
     from tile_pass.tiled_region import run_region
-    from tile_pass.vocab_parallel import run_sharded_region
 
     return node.target in (run_region, run_sharded_region) or (
         getattr(node.target, "namespace", None) == "tile_pass"
@@ -239,7 +239,7 @@ def _rewrite_row_regions(
         outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
         shard = region.program.shard  # a vocabulary-sharded head: bytes are this rank's
         parallel = "" if shard is None else _tensor_parallel_text(
-            (val(region.weight).device_mesh.size(), shard[1], vocab)
+            (torch.distributed.distributed_c10d._resolve_process_group(shard[0]).size(), shard[1], vocab)
         )  # fmt: skip
         report.rewrites.append(
             Rewrite(
