@@ -14,15 +14,14 @@ from conftest import assert_no_worse_than_eager
 from tile_kernels import T, V, call, ce_key, graph_calls, kernel, make_inputs, replace, run
 
 import tile_pass
-from tile_pass import _settings, _tile_buffers, _tile_kernel
+from tile_pass import _settings, _tile_buffers, _tile_kernel, _tiling
 from tile_pass._settings import CPU_GEMM_ENV
-from tile_pass._tile_kernel import (
-    _BlockedUpcastAccumulate,
-    _Compiled,
-    _onednn_mm,
-    onednn_gemms_apply,
-)
-from tile_pass.tiled_region import ProgramKernelKey
+from tile_pass._tile_kernel import TileKernelKey
+from tile_pass._tile_passes import compiled_middle, upcast_accumulation
+from tile_pass._tile_passes.compiled_middle import Compiled
+from tile_pass._tile_passes.onednn_gemms import _onednn_mm, onednn_gemms_apply
+from tile_pass._tile_passes.upcast_accumulation import _BlockedUpcastAccumulate
+from tile_pass._weight_grad import WeightGradSchedule
 
 H = 16
 
@@ -35,7 +34,7 @@ def key_for(dtype, upcast=False, softcap=None, bias=False, returns_logits=False,
 
 def middle_of(key):
     middle = kernel(key).get_submodule("submod_1")
-    assert isinstance(middle, _Compiled)
+    assert isinstance(middle, Compiled)
     return middle
 
 
@@ -50,7 +49,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_middle_overwrites_the_logits_tile_and_matches_eager(case):
     options = CASES[case]
-    assert (middle_of(key_for(**options)).overwritten is not None) == _tile_kernel.STORE_GRAD_OVER_LOGITS
+    assert (middle_of(key_for(**options)).overwritten is not None) == _tiling.STORE_GRAD_OVER_LOGITS
     compiled = run(key_for(**options))
     eager = run(key_for(**options, compiled=False))
     tol = dict(rtol=2e-2, atol=2e-2) if options["dtype"] == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
@@ -67,15 +66,15 @@ def test_compiled_middle_in_row_blocks_is_the_whole_tiles_middle(case, monkeypat
     the gradients, the sums they are added into) is the whole tile's, bit for bit."""
     options = CASES[case]
     whole = run(key_for(**options))
-    assert isinstance(middle_of(key_for(**options)), _Compiled)
-    monkeypatch.setattr(_tile_kernel, "MIDDLE_BLOCK_BYTES", 8 * V * 4)  # blocks of 8 or 16 rows
+    assert isinstance(middle_of(key_for(**options)), Compiled)
+    monkeypatch.setattr(compiled_middle, "MIDDLE_BLOCK_BYTES", 8 * V * 4)  # blocks of 8 or 16 rows
     _tile_kernel.clear_caches()
     middle = middle_of(key_for(**options))
     if options.get("bias"):  # the middle adds the bias gradient into its sum: blocks would reorder it
-        assert isinstance(middle, _Compiled) and not isinstance(middle, _tile_kernel._RowBlocked)
+        assert isinstance(middle, Compiled) and not isinstance(middle, compiled_middle._RowBlocked)
     else:
-        assert isinstance(middle, _tile_kernel._RowBlocked) and middle.rows < T
-        assert (middle.overwritten is not None) == _tile_kernel.STORE_GRAD_OVER_LOGITS
+        assert isinstance(middle, compiled_middle._RowBlocked) and middle.rows < T
+        assert (middle.overwritten is not None) == _tiling.STORE_GRAD_OVER_LOGITS
     for got, want in zip(run(key_for(**options)), whole, strict=True):
         if want is None:
             assert got is None
@@ -196,7 +195,7 @@ def test_short_last_tile_runs_the_next_power_of_two_kernel():
     tiles = {
         k.tile
         for k in _tile_kernel._cache
-        if isinstance(k, ProgramKernelKey) and k.hidden_size == 8 and k.vocab_size == 50
+        if isinstance(k, TileKernelKey) and k.hidden_size == 8 and k.vocab_size == 50
     }
     assert {64, 32} <= tiles and 128 not in tiles
     expected = torch.nn.functional.cross_entropy(hidden @ weight.T, target)
@@ -211,7 +210,7 @@ def test_half_precision_weight_gradient_is_formed_in_row_blocks(monkeypatch):
     """With blocks of 40 rows, V=96 runs as 40 + 40 + 16 rows: no [V, H] bf16 temporary, and
     the float32 sum equals the eager tile's."""
     monkeypatch.setattr(_tile_kernel, "_cache", _tile_kernel._BoundedCache(8))
-    monkeypatch.setattr(_tile_kernel, "UPCAST_BLOCK_BYTES", 40 * H * 2)
+    monkeypatch.setattr(upcast_accumulation, "UPCAST_BLOCK_BYTES", 40 * H * 2)
     options = CASES["bf16-upcast-bias"]
     key = key_for(**options)
     blocked = [m for m in kernel(key).modules() if isinstance(m, _BlockedUpcastAccumulate)]
@@ -360,7 +359,7 @@ def test_only_a_returned_weight_gradient_gets_a_buffer_of_its_own():
     _tile_kernel.clear_caches()
     try:
         summed = key_for(torch.bfloat16, upcast=True)
-        direct = replace(summed, weight_grad="direct")
+        direct = replace(summed, weight_grad=WeightGradSchedule.DIRECT)
         assert len(graph_calls(kernel(direct), _tile_buffers.fresh_mm)) == 2  # dW and dh
         assert len(graph_calls(kernel(summed), _tile_buffers.fresh_mm)) == 1  # dh
         _, _, grad_weight = call(direct, *make_inputs(direct))

@@ -14,7 +14,7 @@ import operator
 import torch
 
 from tile_pass import _textbook
-from tile_pass._tiling import auto_tile, choose_tile_tokens
+from tile_pass._tiling import TileSize, choose_tile_tokens
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -222,6 +222,6 @@ def _vocab_parallel(
     return vocab_parallel_cross_entropy(
         _flatten_tokens(hidden), linear_weight, target.reshape(-1), reduction=reduction,
         ignore_index=-100 if ignore_index is None else int(ignore_index), label_smoothing=label_smoothing,
-        upcast=upcast, tile_tokens=tile if tile_tokens is not None else auto_tile(tile),
+        upcast=upcast, tile_tokens=TileSize(tile, automatic=tile_tokens is None),
         compile_tiles=compile_tiles,
     )  # fmt: skip

@@ -26,14 +26,11 @@ import torch.nn.functional as F
 
 from tile_pass import _tile_buffers
 from tile_pass._higher_order import anchors, scaled_by_upstream
-from tile_pass._tile_kernel import (
-    differentiable,
-    finish_tile_graph,
-    onednn_gemms_apply,
-    trace_fake,
-    traced_once,
-)
-from tile_pass._tiling import effective_tile
+from tile_pass._tile_kernel import TensorSpec, differentiable, trace_fake, traced_once
+from tile_pass._tile_passes import finish_tile_graph
+from tile_pass._tile_passes.onednn_gemms import onednn_gemms_apply
+from tile_pass._tiling import TileSize, effective_tile
+from tile_pass._weight_grad import WeightGradSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +51,7 @@ class _ShardKey:
     acc_dtype: torch.dtype
     compiled: bool = False
     onednn: bool = False
+    weight_grad: WeightGradSchedule = WeightGradSchedule.FLOAT32
 
 
 def shard_rows(vocab_size: int, degree: int, rank: int) -> tuple[int, int]:
@@ -113,7 +111,8 @@ def _trace(key: _ShardKey):
     ]
     if key.need_weight:
         inputs.append(((key.local_vocab, H), key.acc_dtype))
-    return finish_tile_graph(trace_fake(_joint(key), inputs, key.device), key)
+    spec = [TensorSpec(*i) for i in inputs]
+    return finish_tile_graph(trace_fake(lambda args: _joint(key)(*args), spec, key.device), key)
 
 
 @torch.library.custom_op("tile_pass::vocab_parallel_ce", mutates_args=())
@@ -130,6 +129,7 @@ def _vocab_parallel_ce(
     mean: bool,
     upcast: bool,
     tile_tokens: int,
+    auto_tile: bool,
     compile_tiles: bool,
     need_hidden: bool,
     need_weight: bool,
@@ -144,7 +144,7 @@ def _vocab_parallel_ce(
     valid = (target != ignore_index).to(acc)
     count = valid.sum()
     coef = valid / count if mean else valid
-    tile = effective_tile(num_tokens, tile_tokens)
+    tile = effective_tile(num_tokens, TileSize(tile_tokens, auto_tile))
     key = _ShardKey(
         tile, hidden_size, weight.shape[0], vocab_start, vocab_size, hidden.dtype, upcast, ignore_index,
         float(label_smoothing), group_name, hidden.device, need_hidden, need_weight, acc, compile_tiles,
@@ -158,7 +158,7 @@ def _vocab_parallel_ce(
     # every rank runs the same tiles in the same order: the collectives pair up
     for start in range(0, num_tokens, tile):
         stop = min(start + tile, num_tokens)
-        size = tile if stop - start == tile else effective_tile(stop - start, tile)
+        size = tile if stop - start == tile else effective_tile(stop - start, TileSize(tile))
         kernel = traced_once(key if size == tile else dataclasses.replace(key, tile=size), _trace)
         h_t, y_t, c_t = hidden[start:stop], target[start:stop], coef[start:stop]
         if size != stop - start:  # padding: ignored tokens of zero weight
@@ -179,7 +179,7 @@ def _vocab_parallel_ce(
 
 @_vocab_parallel_ce.register_fake
 def _(hidden, weight, target, *, group_name, vocab_start, vocab_size, ignore_index, label_smoothing, mean,
-      upcast, tile_tokens, compile_tiles, need_hidden, need_weight):  # fmt: skip
+      upcast, tile_tokens, auto_tile, compile_tiles, need_hidden, need_weight):  # fmt: skip
     return (
         hidden.new_empty((), dtype=torch.float32 if upcast else hidden.dtype),
         hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty((0,)),
@@ -211,7 +211,7 @@ def vocab_parallel_cross_entropy(
     ignore_index: int,
     label_smoothing: float,
     upcast: bool,
-    tile_tokens: int,
+    tile_tokens: TileSize,
     compile_tiles: bool = False,
     shard: tuple[str, int] | None = None,
 ) -> torch.Tensor:
@@ -247,7 +247,8 @@ def vocab_parallel_cross_entropy(
     loss, _, _ = _vocab_parallel_ce(
         hidden, local, target, group_name=group_name, vocab_start=int(vocab_start),
         vocab_size=int(weight.shape[0]), ignore_index=ignore_index, label_smoothing=float(label_smoothing),
-        mean=reduction == "mean", upcast=upcast, tile_tokens=tile_tokens, compile_tiles=compile_tiles,
+        mean=reduction == "mean", upcast=upcast, tile_tokens=tile_tokens.tokens,
+        auto_tile=tile_tokens.automatic, compile_tiles=compile_tiles,
         need_hidden=grad_on and hidden.requires_grad, need_weight=grad_on and local.requires_grad,
     )  # fmt: skip
     return loss
