@@ -890,7 +890,7 @@ def _check_vocab_parallel(dtype):
             return vocab_parallel._vocab_parallel_ce._init_fn(
                 h, w, y, group_name=group, vocab_start=0, vocab_size=V, ignore_index=-100,
                 label_smoothing=0.1, mean=True, upcast=dtype != torch.float32, tile_tokens=128,
-                compile_tiles=False, need_hidden=True, need_weight=True,
+                auto_tile=False, compile_tiles=False, need_hidden=True, need_weight=True,
             )  # fmt: skip
 
         traced = make_fx(sharded, tracing_mode="fake")(flat_h, w.detach(), flat_y)

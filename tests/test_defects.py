@@ -168,7 +168,7 @@ def test_fake_implementations_agree_with_the_real_ops(layout, need):
             reduction, 8, None, False,
         )  # fmt: skip
         program = _program_of(options)
-        common = dict(program=program, tile_tokens=8, compile_tiles=False)
+        common = dict(program=program, tile_tokens=8, auto_tile=False, compile_tiles=False)
         fake = ("test_faketensor",)
         if reduction != "none":  # the scalar loss, its gradient formed in forward
             args = (hidden, weight, bias, [target], [], [target, hidden])
