@@ -195,7 +195,7 @@ def _modules():
 
     import tile_pass
 
-    names = ("_tile_kernel", "_tiling", "_weight_grad", "_split_sum_cpu", "tiled_region")
+    names = ("_tile_kernel", "_tile_passes", "_tiling", "_weight_grad", "_split_sum_cpu", "tiled_region")
     return tile_pass, {name: importlib.import_module(f"tile_pass.{name}") for name in names}
 
 
@@ -249,7 +249,7 @@ def _recorded_inductor():
         handed.append((gm, list(example_inputs)))
         return gm
 
-    finish = m["_tile_kernel"].finish_tile_graph
+    finish = m["_tile_passes"].finish_tile_graph
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def finish_with_fake_examples(gm, key, retrace=None):
@@ -259,7 +259,7 @@ def _recorded_inductor():
     patches = [mock.patch("torch._inductor.compile_fx.compile_fx", compile_fx)]
     patches += [
         mock.patch.object(m[name], "finish_tile_graph", finish_with_fake_examples)
-        for name in ("_tile_kernel", "tiled_region")
+        for name in ("_tile_passes", "tiled_region")
     ]
     tile_pass.clear_caches()
     with contextlib.ExitStack() as stack:
@@ -331,9 +331,11 @@ def _check_planning(dtype):
         assert cpu < tile
         # the tile loop's plan for the CUDA benchmark's batches
         for N in (8192, 16384):
-            now = tiling.effective_tile(N, tiling.auto_tile(tile))
-            planned, schedule = weight_grad.plan(N, now, tile, (V, H), dtype, torch.float32, per_token, N)
-            assert schedule == ("float32" if dtype == torch.float32 else "split"), schedule
+            now = tiling.effective_tile(N, tiling.TileSize(tile, True))
+            planned, schedule = weight_grad.plan(
+                N, now, tiling.TileSize(tile, True), (V, H), dtype, torch.float32, per_token, N
+            )
+            assert schedule.value == ("float32" if dtype == torch.float32 else "split"), schedule
             assert planned % 64 == 0 and planned >= tiling.MIN_AUTO_TILE and -(-N // planned) >= 2
             if dtype == torch.bfloat16:  # at most half of the unfused step, where a tile >= 256 gets there
                 bound = weight_grad.unfused_bytes(N, (V, H), itemsize, per_token) // 2
@@ -436,22 +438,23 @@ def _check_cross_entropy_rewrite(dtype, returns_logits):
     (rewrite,) = graph.rewrites
     largest = tiling.choose_tile_tokens(V, dtype, True, tile_bytes=budget, fused=True)
     cpu = tiling.choose_tile_tokens(V, dtype, True, device="cpu", fused=True)
-    on_cpu = tiling.effective_tile(N, tiling.auto_tile(cpu))
-    assert tiling.effective_tile(N, tiling.auto_tile(largest)) > on_cpu
+    on_cpu = tiling.effective_tile(N, tiling.TileSize(cpu, True))
+    automatic = tiling.TileSize(largest, True)
+    assert tiling.effective_tile(N, automatic) > on_cpu
     tile, schedule = weight_grad.plan(
-        N, tiling.effective_tile(N, tiling.auto_tile(largest)), largest, (V, H), dtype, torch.float32,
+        N, tiling.effective_tile(N, automatic), automatic, (V, H), dtype, torch.float32,
         tiling.tile_bytes_per_token(V, dtype, True, True), N,
     )  # fmt: skip
-    assert schedule == ("float32" if dtype == torch.float32 else "split")
+    assert schedule.value == ("float32" if dtype == torch.float32 else "split")
     assert (rewrite.dtype, rewrite.num_tokens, rewrite.compiled_tiles) == (str(dtype)[6:], N, True)
     assert (rewrite.tile_tokens, rewrite.num_tiles) == (tile, -(-N // tile)), str(rewrite)
-    text = "float32 sum in two 16-bit planes" if schedule == "split" else "float32 sum"
+    text = "float32 sum in two 16-bit planes" if schedule.value == "split" else "float32 sum"
     assert rewrite.weight_grad_sum.startswith(text), rewrite.weight_grad_sum
     if returns_logits:
         assert rewrite.returned_logits.startswith("returned exactly, written by the tiles"), rewrite
     calls = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "run_region"]
     assert len(calls) == 1 and calls[0].kwargs["compile_tiles"] is True
-    assert calls[0].kwargs["tile_tokens"] == tiling.auto_tile(largest)
+    assert calls[0].kwargs["tile_tokens"] == tiling.TileSize(largest, True)
 
     with mode:
         loss.backward()  # the op's backward (the chain rule for a scalar) on the fake device
@@ -505,11 +508,13 @@ def _check_row_region_rewrite(dtype, form, compiled):
     (rewrite,) = graph.rewrites
     upcast = dtype != torch.float32
     largest = tiling.choose_tile_tokens(V, dtype, upcast, tile_bytes=512 << 20, fused=compiled)
-    tile = tiling.effective_tile(N, tiling.auto_tile(largest))
+    tile = tiling.effective_tile(N, tiling.TileSize(largest, True))
     assert (rewrite.tile_tokens, rewrite.compiled_tiles) == (tile, compiled), str(rewrite)
     (call,) = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "run_region"]
     cpu = tiling.choose_tile_tokens(V, dtype, upcast, device="cpu", fused=compiled)
-    assert call.kwargs["tile_tokens"] == tiling.auto_tile(largest) != tiling.auto_tile(cpu), call.kwargs
+    assert call.kwargs["tile_tokens"] == tiling.TileSize(largest, True) != tiling.TileSize(cpu, True), (
+        call.kwargs
+    )
     schedule = "two 16-bit planes" if dtype == torch.bfloat16 else "float32 sum ("
     assert schedule in rewrite.weight_grad_sum, rewrite.weight_grad_sum
     with mode:
@@ -559,7 +564,9 @@ def _check_row_region_rewrite(dtype, form, compiled):
     assert not any(k.onednn for k in keys) and {k.compiled for k in keys} == {compiled}
     differentiated = [k for k in keys if k.need_weight]
     assert differentiated, "no tile function formed the weight gradient"
-    assert {k.weight_grad for k in differentiated} == {"split" if dtype == torch.bfloat16 else "float32"}
+    assert {k.weight_grad.value for k in differentiated} == {
+        "split" if dtype == torch.bfloat16 else "float32"
+    }
     return "ok"
 
 
@@ -582,6 +589,22 @@ def _captured_program(fn, inputs) -> str:
     return _PROGRAMS[key]
 
 
+def _fake_inputs(spec, vocab_size, make):
+    """A tile's inputs on the fake device, as its named spec gives them: indices below
+    ``vocab_size``, 16-bit planes zeroed, the rest from ``make``."""
+
+    def fake(leaf):
+        if leaf is None:
+            return None
+        if leaf.dtype == torch.int64:
+            return torch.randint(0, vocab_size, leaf.shape, device=CUDA)
+        if leaf.dtype == torch.int16:
+            return torch.zeros(leaf.shape, dtype=leaf.dtype, device=CUDA)
+        return make(leaf.shape, dtype=leaf.dtype, device=CUDA)
+
+    return torch.utils._pytree.tree_map(fake, spec)
+
+
 def _check_tile_kernel(dtype, schedule, variant, compiled):
     """The cross entropy's tile function for a cuda key: traced and differentiated by make_fx on
     fake cuda tensors, finished without the CPU's rewrites (shared logits buffer, oneDNN GEMMs,
@@ -589,8 +612,9 @@ def _check_tile_kernel(dtype, schedule, variant, compiled):
     inputs."""
     _quiet()
     _, m = _modules()
-    kernels, region_op = m["_tile_kernel"], m["tiled_region"]
+    region_op = m["tiled_region"]
     from tile_pass import _region, _tile_buffers
+    from tile_pass._tile_passes import compiled_middle, onednn_gemms, split_accumulation
 
     T, H, V = 96, 64, 1000
     bias = variant == "bias+logits"
@@ -599,13 +623,13 @@ def _check_tile_kernel(dtype, schedule, variant, compiled):
     else:
         fn, inputs = _linear_ce, [((2, 48, H), dtype), ((V, H), dtype)]
     program = _region.lookup(_captured_program(fn, [*inputs, ((2, 48), V)]))
-    key = region_op.ProgramKernelKey(
-        program=program.key, tile=T, hidden_size=H, hidden_dtype=dtype, weight_dtype=dtype,
+    key = m["_tile_kernel"].TileKernelKey(
+        program=program.key, tile=T, hidden_size=H, vocab_size=V, hidden_dtype=dtype, weight_dtype=dtype,
         bias_dtype=dtype if bias else None, token_inputs=(((), torch.int64),), row_inputs=(),
         tangents=tuple(i for i, out in enumerate(program.outputs) if out.differentiable), device=CUDA,
         need_hidden=True, need_weight=True, need_bias=bias, acc_dtype=torch.float32, compiled=compiled,
-        onednn=kernels.onednn_gemms_apply(CUDA), weight_grad="float32" if schedule == "sum" else schedule,
-        vocab_size=V,
+        onednn=onednn_gemms.onednn_gemms_apply(CUDA),
+        weight_grad=m["_weight_grad"].WeightGradSchedule("float32" if schedule == "sum" else schedule),
     )  # fmt: skip
     assert key.onednn is False
     context = _recorded_inductor() if compiled else contextlib.nullcontext([])
@@ -613,41 +637,30 @@ def _check_tile_kernel(dtype, schedule, variant, compiled):
         kernel = region_op._program_kernel(key)
         graphs = [g for g in kernel.modules() if isinstance(g, torch.fx.GraphModule)]
         targets = {n.target for g in graphs for n in g.graph.nodes}
-        cpu_only = {_tile_buffers.mm, _tile_buffers.addmm, _tile_buffers.fresh_mm, kernels._onednn_mm}
+        cpu_only = {_tile_buffers.mm, _tile_buffers.addmm, _tile_buffers.fresh_mm, onednn_gemms._onednn_mm}
         assert not targets & cpu_only, targets & cpu_only
         modules = list(kernel.modules())
-        assert not any(isinstance(g, kernels._RowBlocked) for g in modules)
+        assert not any(isinstance(g, compiled_middle._RowBlocked) for g in modules)
         for g in graphs[:1]:
             for n in g.graph.nodes:
                 if n.op == "placeholder":
                     assert n.meta["val"].device.type == "cuda", n.format_node()
         if schedule == "sum" and dtype == torch.float32:
             assert aten.addmm_.default in targets  # the weight gradient summed in place
-        blocked = [g for g in modules if isinstance(g, kernels._BlockedSplitAccumulate)]
+        blocked = [g for g in modules if isinstance(g, split_accumulation._BlockedSplitAccumulate)]
         assert bool(blocked) == (schedule == "split")
         for g in blocked:  # no C loop (store, add-and-round, add) on the GPU; the add is compiled or eager
             assert g.store is None and g.add_and_round is None and (g.add is not None) == compiled
             for add in g.add.adds.values() if compiled else ():
                 assert "_checked" not in add.__qualname__, "a CPU C loop adds into cuda planes"
         if compiled:
-            assert type(kernel.submod_1).__name__ == "_Compiled"
+            assert type(kernel.submod_1).__name__ == "Compiled"
             _assert_middles_for_cuda(handed, "tile middle")
         with _fake_mode():
-            inputs = []
-            for shape, kind in region_op._kernel_inputs(key, program):
-                if kind == torch.int64:
-                    inputs.append(torch.randint(0, V, shape, device=CUDA))
-                else:
-                    inputs.append(torch.zeros(shape, dtype=kind, device=CUDA))
+            inputs = _fake_inputs(region_op._input_spec(key, program), V, torch.zeros)
             if schedule == "split":  # the planes of a fresh sum, as the tile loop makes them
-                planes = [
-                    i
-                    for i, (_, kind) in enumerate(region_op._kernel_inputs(key, program))
-                    if kind == torch.int16
-                ]
-                for i, plane in zip(planes, m["_weight_grad"].unwritten_planes((V, H), CUDA), strict=True):
-                    inputs[i] = plane
-            result = list(kernel(*inputs))
+                inputs = inputs._replace(weight_grad_sum=m["_weight_grad"].unwritten_planes((V, H), CUDA))
+            result = list(kernel(*inputs.flat()))
             for out in program.outputs:
                 value = result.pop(0)
                 _assert_fake_cuda(value, (T, *_region.row_part(out.layout, V)), out.dtype, f"output {out}")
@@ -681,13 +694,14 @@ def _check_program_kernel(dtype, compiled):
     program = _region.lookup(_capture_z_loss_program(dtype))
     T, H = 64, 32
     split = dtype == torch.bfloat16
-    key = region_op.ProgramKernelKey(
-        program=program.key, tile=T, hidden_size=H, hidden_dtype=dtype, weight_dtype=dtype, bias_dtype=None,
-        token_inputs=(((), torch.int64),) * len(program.token_layouts), row_inputs=(),
-        tangents=tuple(i for i, out in enumerate(program.outputs) if out.differentiable), device=CUDA,
-        need_hidden=True, need_weight=True, need_bias=False, acc_dtype=torch.float32, compiled=compiled,
-        onednn=m["_tile_kernel"].onednn_gemms_apply(CUDA), weight_grad="split" if split else "float32",
-        vocab_size=program.vocab_size,
+    schedule = m["_weight_grad"].WeightGradSchedule
+    key = m["_tile_kernel"].TileKernelKey(
+        program=program.key, tile=T, hidden_size=H, vocab_size=program.vocab_size, hidden_dtype=dtype,
+        weight_dtype=dtype, bias_dtype=None, token_inputs=(((), torch.int64),) * len(program.token_layouts),
+        row_inputs=(), tangents=tuple(i for i, out in enumerate(program.outputs) if out.differentiable),
+        device=CUDA, need_hidden=True, need_weight=True, need_bias=False, acc_dtype=torch.float32,
+        compiled=compiled, onednn=m["_tile_passes"].onednn_gemms.onednn_gemms_apply(CUDA),
+        weight_grad=schedule.SPLIT if split else schedule.FLOAT32,
     )  # fmt: skip
     context = _recorded_inductor() if compiled else contextlib.nullcontext([])
     with context as handed:
@@ -695,17 +709,11 @@ def _check_program_kernel(dtype, compiled):
         if compiled:
             _assert_middles_for_cuda(handed, "row program middle")
         with _fake_mode():
-            inputs = []
-            for shape, kind in region_op._kernel_inputs(key, program):
-                if kind == torch.int64:
-                    inputs.append(torch.randint(0, program.vocab_size, shape, device=CUDA))
-                elif kind == torch.int16:
-                    inputs.append(torch.zeros(shape, dtype=kind, device=CUDA))
-                else:
-                    inputs.append(torch.randn(shape, dtype=kind, device=CUDA))
+            inputs = _fake_inputs(region_op._input_spec(key, program), program.vocab_size, torch.randn)
             if split:  # the planes of a fresh sum, as the tile loop makes them
-                inputs[-2:] = m["_weight_grad"].unwritten_planes((program.vocab_size, H), CUDA)
-            result = list(kernel(*inputs))
+                planes = m["_weight_grad"].unwritten_planes((program.vocab_size, H), CUDA)
+                inputs = inputs._replace(weight_grad_sum=planes)
+            result = list(kernel(*inputs.flat()))
         assert len(result) == len(program.outputs) + 1
         for out, value in zip(program.outputs, result, strict=False):
             part = _region.row_part(out.layout, program.vocab_size)
@@ -756,7 +764,7 @@ def _check_tile_loops(dtype, reduction, compiled):
                 )  # fmt: skip
             else:  # the gradients at unit upstream gradient, formed in forward
                 assert name == "_row_region_loss" and kwargs["need_bias"] == (b is not None)
-                assert schedule == ("split" if dtype == torch.bfloat16 else "float32"), schedule
+                assert schedule.value == ("split" if dtype == torch.bfloat16 else "float32"), schedule
                 grads = result[1:4]
             for grad, leaf, what in zip(grads, leaves, ("hidden", "weight", "bias"), strict=False):
                 _assert_fake_cuda(grad, leaf.shape, dtype, f"{what} gradient")
@@ -778,9 +786,11 @@ def _check_tile_loop_plan(dtype):
         largest = tiling.choose_tile_tokens(V, dtype, upcast, device="cuda", fused=True)
     per_token = tiling.tile_bytes_per_token(V, dtype, upcast, True)
     assert largest == (4 << 30) // per_token // 16 * 16
-    now = tiling.effective_tile(N, tiling.auto_tile(largest))
-    tile, schedule = weight_grad.plan(N, now, largest, (V, H), dtype, torch.float32, per_token, N)
-    assert schedule == ("split" if upcast else "float32")
+    now = tiling.effective_tile(N, tiling.TileSize(largest, True))
+    tile, schedule = weight_grad.plan(
+        N, now, tiling.TileSize(largest, True), (V, H), dtype, torch.float32, per_token, N
+    )
+    assert schedule.value == ("split" if upcast else "float32")
     memory = _patch_cuda_memory(80 << 30)
     with _recorded_inductor() as handed, _recorded_implementations() as calls, memory, _fake_mode():
         h, w, _, y, _ = _loop_inputs(N, H, V, dtype)

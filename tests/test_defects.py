@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tile_pass
-from tile_pass import _textbook, _tile_kernel, _tiling
+from tile_pass import _textbook, _tiling
 from tile_pass.tiled_region import _row_region, _row_region_backward, _row_region_loss
 
 # ------------------------------------------------------------------ 1. double backward
@@ -168,7 +168,7 @@ def test_fake_implementations_agree_with_the_real_ops(layout, need):
             reduction, 8, None, False,
         )  # fmt: skip
         program = _program_of(options)
-        common = dict(program=program, tile_tokens=8, compile_tiles=False)
+        common = dict(program=program, tile_tokens=8, auto_tile=False, compile_tiles=False)
         fake = ("test_faketensor",)
         if reduction != "none":  # the scalar loss, its gradient formed in forward
             args = (hidden, weight, bias, [target], [], [target, hidden])
@@ -318,7 +318,7 @@ def test_explain_reports_the_tile_the_backend_runs():
     torch._dynamo.reset()
     torch.compile(head, backend=runner)(hidden, weight, target)
     # 128 MiB of [tile, V] buffers: one per token before torch 2.13's in-place gradient, else two
-    expected = 1024 if _tile_kernel.STORE_GRAD_OVER_LOGITS else 512
+    expected = 1024 if _tiling.STORE_GRAD_OVER_LOGITS else 512
     tokens, tiles, tile, _schedule = _tiling.last_tiles  # what the tile loop ran
     assert (tokens, tile) == (n, rewrite.tile_tokens) == (n, expected) and tiles == rewrite.num_tiles
     assert rewrite.num_tiles == n // expected

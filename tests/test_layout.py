@@ -31,7 +31,8 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + [base]).strip(".")
-            names = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            # ``from package import submodule`` imports the submodule, not the package's names
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
         else:
             continue
         for name in names:

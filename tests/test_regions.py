@@ -257,7 +257,7 @@ def test_bfloat16_model_no_worse_than_eager_and_split_sum_is_the_float32_sum(fn,
         _settings, "_current", dataclasses.replace(_settings.current(), weight_grad_sum="float32")
     )
     _, grads32 = _run(compiled, args)
-    assert schedules[-2:] == ["split", "float32"]  # the two runs (the rewrite asks first)
+    assert [s.value for s in schedules[-2:]] == ["split", "float32"]  # the two runs (the rewrite asks first)
     assert "two 16-bit planes, rounded over the high one (4 bytes per weight" in (
         backend.report().rewrites[0].weight_grad_sum
     )
@@ -300,18 +300,18 @@ def test_autocast_z_loss_with_returned_logits():
 )  # fmt: skip
 def test_inductor_with_compiled_tiles(fn, tile, middle_rows, monkeypatch):
     """Compiled tiles; with ``middle_rows`` the CPU's compiled middle runs in blocks of rows."""
-    from tile_pass import _tile_kernel
+    from tile_pass._tile_passes import compiled_middle
 
     blocked_calls = []
     if middle_rows:
-        monkeypatch.setattr(_tile_kernel, "MIDDLE_BLOCK_BYTES", middle_rows * V * 4)
-        forward = _tile_kernel._RowBlocked.forward
+        monkeypatch.setattr(compiled_middle, "MIDDLE_BLOCK_BYTES", middle_rows * V * 4)
+        forward = compiled_middle._RowBlocked.forward
 
         def counted(self, *args):
             blocked_calls.append(self.rows)
             return forward(self, *args)
 
-        monkeypatch.setattr(_tile_kernel._RowBlocked, "forward", counted)
+        monkeypatch.setattr(compiled_middle._RowBlocked, "forward", counted)
         tile_pass.clear_caches()
     args = _inputs("cpu")
     backend = tile_pass.backend("inductor", tile_tokens=tile)

@@ -11,6 +11,7 @@ from tile_kernels import V, call, ce_key, make_inputs
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tile_pass import _simplify, _tile_kernel
+from tile_pass._tile_passes import compiled_middle
 
 aten = torch.ops.aten
 
@@ -45,8 +46,8 @@ def rewrites(monkeypatch):
         counts.columns.append(_simplify.split_label_column(gm, logits_index))
         return counts.columns[-1]
 
-    monkeypatch.setattr(_tile_kernel, "simplify", counting)
-    monkeypatch.setattr(_tile_kernel, "split_label_column", splitting)
+    monkeypatch.setattr(compiled_middle, "simplify", counting)
+    monkeypatch.setattr(compiled_middle, "split_label_column", splitting)
     _tile_kernel.clear_caches()
     yield counts
     _tile_kernel.clear_caches()

@@ -1,5 +1,5 @@
-"""The traced tile function: compiled tiles store the logits gradient over the logits tile,
-and CPU float32 tiles run their GEMMs through oneDNN."""
+"""The traced tile function: its tracing and cache, the tile loop's shared buffers and short
+last tile, and the settings the passes read (the passes themselves: tests/test_tile_passes.py)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_no_worse_than_eager
-from tile_kernels import T, V, call, ce_key, graph_calls, kernel, make_inputs, replace, run
+from tile_kernels import V, ce_key, kernel
 
 import tile_pass
 from tile_pass import _settings, _tile_buffers, _tile_kernel
 from tile_pass._settings import CPU_GEMM_ENV
-from tile_pass._tile_kernel import (
-    _BlockedUpcastAccumulate,
-    _Compiled,
-    _onednn_mm,
-    onednn_gemms_apply,
-)
-from tile_pass.tiled_region import ProgramKernelKey
+from tile_pass._tile_kernel import TileKernelKey
+from tile_pass._tile_passes.compiled_middle import Compiled
+from tile_pass._tile_passes.onednn_gemms import onednn_gemms_apply
 
 H = 16
 
@@ -35,7 +31,7 @@ def key_for(dtype, upcast=False, softcap=None, bias=False, returns_logits=False,
 
 def middle_of(key):
     middle = kernel(key).get_submodule("submod_1")
-    assert isinstance(middle, _Compiled)
+    assert isinstance(middle, Compiled)
     return middle
 
 
@@ -45,70 +41,6 @@ CASES = {
     "softcap": dict(dtype=torch.float32, softcap=30.0),
     "no-hidden-grad": dict(dtype=torch.float32, need_hidden=False),
 }
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_compiled_middle_overwrites_the_logits_tile_and_matches_eager(case):
-    options = CASES[case]
-    assert (middle_of(key_for(**options)).overwritten is not None) == _tile_kernel.STORE_GRAD_OVER_LOGITS
-    compiled = run(key_for(**options))
-    eager = run(key_for(**options, compiled=False))
-    tol = dict(rtol=2e-2, atol=2e-2) if options["dtype"] == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
-    for got, want in zip(compiled, eager, strict=True):
-        if want is None:
-            assert got is None
-        else:
-            torch.testing.assert_close(got.float(), want.float(), **tol)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_compiled_middle_in_row_blocks_is_the_whole_tiles_middle(case, monkeypatch):
-    """On the CPU the compiled middle runs block after block of rows; every output (losses,
-    the gradients, the sums they are added into) is the whole tile's, bit for bit."""
-    options = CASES[case]
-    whole = run(key_for(**options))
-    assert isinstance(middle_of(key_for(**options)), _Compiled)
-    monkeypatch.setattr(_tile_kernel, "MIDDLE_BLOCK_BYTES", 8 * V * 4)  # blocks of 8 or 16 rows
-    _tile_kernel.clear_caches()
-    middle = middle_of(key_for(**options))
-    if options.get("bias"):  # the middle adds the bias gradient into its sum: blocks would reorder it
-        assert isinstance(middle, _Compiled) and not isinstance(middle, _tile_kernel._RowBlocked)
-    else:
-        assert isinstance(middle, _tile_kernel._RowBlocked) and middle.rows < T
-        assert (middle.overwritten is not None) == _tile_kernel.STORE_GRAD_OVER_LOGITS
-    for got, want in zip(run(key_for(**options)), whole, strict=True):
-        if want is None:
-            assert got is None
-        else:
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-    _tile_kernel.clear_caches()
-
-
-def test_returned_logits_keep_their_own_buffer():
-    """A graph that also returns the logits needs them intact: no overwrite there."""
-    key = key_for(torch.float32, returns_logits=True)
-    assert middle_of(key).overwritten is None
-    hidden, weight, *_ = make_inputs(key)
-    kept = run(key)[4]
-    torch.testing.assert_close(kept, hidden @ weight.T)
-
-
-@pytest.mark.parametrize("compiled", [False, True])
-def test_logits_gemm_writes_the_loops_shared_buffer(compiled):
-    """On the CPU the logits GEMM of a tile writes into the tile loop's buffer, also where the
-    graph returns the logits (the loops copy them out before the next tile); a float32 GEMM
-    routed to oneDNN keeps its own."""
-    shared = (_tile_buffers.mm, _tile_buffers.addmm)
-    for key, expected in [
-        (key_for(torch.bfloat16, upcast=True, compiled=compiled), True),
-        (key_for(torch.bfloat16, bias=True, compiled=compiled), True),
-        (key_for(torch.bfloat16, returns_logits=True, compiled=compiled), True),
-        (key_for(torch.float32, compiled=compiled, onednn=onednn_gemms_apply(torch.device("cpu"))), None),
-    ]:
-        uses = [n for target in shared for n in graph_calls(kernel(key), target)]
-        if expected is None:
-            expected = not key.onednn
-        assert bool(uses) == expected, key
 
 
 def test_tiles_of_a_loop_share_one_logits_buffer(monkeypatch):
@@ -168,22 +100,6 @@ def test_a_shorter_tile_takes_a_prefix_of_the_shared_buffer():
     assert outside[0].data_ptr() != outside[1].data_ptr()
 
 
-def test_half_precision_weight_gradient_is_added_by_a_compiled_kernel():
-    """bf16 tile gradient into the float32 sum: one fused Inductor pass, not eager mixed-dtype add_."""
-    key = key_for(**CASES["bf16-upcast-bias"])
-    modules = dict(kernel(key).named_modules())
-    assert any(name.rsplit(".", 1)[-1].startswith("_accumulate_") for name in modules)
-    eager_adds = [
-        node
-        for module in modules.values()
-        if isinstance(module, torch.fx.GraphModule)
-        for node in module.graph.nodes
-        if node.target is torch.ops.aten.add_.Tensor
-        and node.args[0].meta["val"].dtype != node.args[1].meta["val"].dtype
-    ]
-    assert not eager_adds
-
-
 def test_short_last_tile_runs_the_next_power_of_two_kernel():
     """84 tokens in tiles of 64: one 64-token tile, then 20 tokens in a 32-token kernel
     (not padded to 64), and the result is still the eager loss."""
@@ -196,7 +112,7 @@ def test_short_last_tile_runs_the_next_power_of_two_kernel():
     tiles = {
         k.tile
         for k in _tile_kernel._cache
-        if isinstance(k, ProgramKernelKey) and k.hidden_size == 8 and k.vocab_size == 50
+        if isinstance(k, TileKernelKey) and k.hidden_size == 8 and k.vocab_size == 50
     }
     assert {64, 32} <= tiles and 128 not in tiles
     expected = torch.nn.functional.cross_entropy(hidden @ weight.T, target)
@@ -205,63 +121,6 @@ def test_short_last_tile_runs_the_next_power_of_two_kernel():
     expected_grads = torch.autograd.grad(expected, (hidden, weight))
     for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-
-
-def test_half_precision_weight_gradient_is_formed_in_row_blocks(monkeypatch):
-    """With blocks of 40 rows, V=96 runs as 40 + 40 + 16 rows: no [V, H] bf16 temporary, and
-    the float32 sum equals the eager tile's."""
-    monkeypatch.setattr(_tile_kernel, "_cache", _tile_kernel._BoundedCache(8))
-    monkeypatch.setattr(_tile_kernel, "UPCAST_BLOCK_BYTES", 40 * H * 2)
-    options = CASES["bf16-upcast-bias"]
-    key = key_for(**options)
-    blocked = [m for m in kernel(key).modules() if isinstance(m, _BlockedUpcastAccumulate)]
-    assert len(blocked) == 1 and blocked[0].rows == 40 and set(blocked[0].adds) == {40, 16}
-    compiled = run(key)
-    eager = run(key_for(**options, compiled=False))
-    for got, want in zip(compiled, eager, strict=True):
-        if want is not None:
-            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(compiled[2], eager[2], rtol=1e-5, atol=1e-5)  # the float32 weight sum
-
-
-needs_onednn = pytest.mark.skipif(
-    not onednn_gemms_apply(torch.device("cpu")), reason="this torch build has no oneDNN linear"
-)
-
-
-@needs_onednn
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager-tile"])
-@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_float32_gemms_run_through_onednn_and_match_aten(compiled, bias):
-    key = key_for(torch.float32, bias=bias, compiled=compiled, onednn=True)
-    aten_key = replace(key, onednn=False)
-    # the logits GEMM (with its bias) and the hidden-gradient GEMM; the in-place weight
-    # gradient addmm_ stays aten's
-    assert len(graph_calls(kernel(key), _onednn_mm)) == 2
-    assert not graph_calls(kernel(key), torch.ops.aten.mm.default)
-    assert not graph_calls(kernel(key), torch.ops.aten.addmm.default)
-    assert len(graph_calls(kernel(key), torch.ops.aten.addmm_.default)) == 1
-    assert not graph_calls(kernel(aten_key), _onednn_mm)
-    for got, want in zip(run(key), run(aten_key), strict=True):
-        if want is None:
-            assert got is None
-        else:
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-@needs_onednn
-def test_half_precision_gemms_stay_aten():
-    key = key_for(torch.bfloat16, upcast=True, onednn=True)
-    assert not graph_calls(kernel(key), _onednn_mm)
-
-
-def test_onednn_mm_falls_back_to_aten_where_onednn_does_not_apply():
-    a, b = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
-    torch.testing.assert_close(_onednn_mm(a, b), a @ b)
-    empty = _onednn_mm(torch.randn(4, 0), torch.randn(0, 5))
-    assert empty.shape == (4, 5) and not empty.any()
-    a, b, bias = torch.randn(4, 3), torch.randn(5, 3).t(), torch.randn(5)
-    torch.testing.assert_close(_onednn_mm(a, b, bias), torch.addmm(bias, a, b))
 
 
 @pytest.fixture
@@ -351,21 +210,3 @@ def test_a_bad_huge_pages_setting_names_the_values(monkeypatch, restore_settings
     monkeypatch.setenv(_settings.HUGE_PAGES_ENV, "yes")
     with pytest.raises(ValueError, match="TILE_PASS_HUGE_PAGES='yes'.*'on'.*'off'"):
         _settings.reload()
-
-
-def test_only_a_returned_weight_gradient_gets_a_buffer_of_its_own():
-    """The only tile's weight gradient (the ``direct`` schedule, returned) is formed into a
-    buffer of its own from _tile_buffers.empty (huge pages where it is large enough), as is the
-    returned hidden gradient; a weight gradient summed across tiles is not."""
-    _tile_kernel.clear_caches()
-    try:
-        summed = key_for(torch.bfloat16, upcast=True)
-        direct = replace(summed, weight_grad="direct")
-        assert len(graph_calls(kernel(direct), _tile_buffers.fresh_mm)) == 2  # dW and dh
-        assert len(graph_calls(kernel(summed), _tile_buffers.fresh_mm)) == 1  # dh
-        _, _, grad_weight = call(direct, *make_inputs(direct))
-        eager = replace(direct, compiled=False)
-        _, _, want = call(eager, *make_inputs(eager))
-        torch.testing.assert_close(grad_weight, want, rtol=0, atol=0)
-    finally:
-        _tile_kernel.clear_caches()

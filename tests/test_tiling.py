@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import DEVICES
 
-from tile_pass import _tile_kernel, _tiling
-from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, padded_rows, tile_bytes_per_token
+from tile_pass import _tiling
+from tile_pass._tiling import TileSize, choose_tile_tokens, effective_tile, padded_rows, tile_bytes_per_token
 
 
 def test_byte_model_counts_the_documented_buffers():
@@ -17,7 +17,7 @@ def test_byte_model_counts_the_documented_buffers():
     assert tile_bytes_per_token(1000, torch.bfloat16, upcast=False) == 1000 * (2 + 4 + 4 + 2)
     # compiled tiles: the gradient is stored over the logits tile, one buffer in the model dtype
     # (two before torch 2.13, whose Inductor miscompiles the in-place store)
-    buffers = 1 if _tile_kernel.STORE_GRAD_OVER_LOGITS else 2
+    buffers = 1 if _tiling.STORE_GRAD_OVER_LOGITS else 2
     assert tile_bytes_per_token(1000, torch.float32, upcast=True, fused=True) == 1000 * 4 * buffers
     assert tile_bytes_per_token(1000, torch.bfloat16, upcast=True, fused=True) == 1000 * 2 * buffers
     assert choose_tile_tokens(1000, torch.bfloat16, True, tile_bytes=2000 * 64 * buffers, fused=True) == 64
@@ -34,14 +34,14 @@ def test_budget_gives_the_tile():
 
 
 def test_automatic_tiles_shrink_with_the_batch_and_cap_at_the_budget():
-    cap = auto_tile(688)
+    cap = TileSize(688, automatic=True)
     assert effective_tile(1024, cap) == 256  # not below 256 tokens, even if that is < 8 tiles
     assert effective_tile(2048, cap) == 256  # >= 8 tiles
     assert effective_tile(4096, cap) == 512
     assert effective_tile(1 << 20, cap) == 688  # large batches: the budget's tile, flat in N
     assert effective_tile(100, cap) == 128  # one padded tile
     assert effective_tile(40, cap) == 64
-    assert effective_tile(1024, 300) == 300  # an explicit tile is used as given
+    assert effective_tile(1024, TileSize(300)) == 300  # an explicit tile is used as given
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -72,7 +72,7 @@ def test_gpu_budget_follows_free_memory_inside_a_backend(fake_gpu, monkeypatch):
     assert _tiling.default_tile_bytes(torch.device("cuda", 0)) == _tiling.GPU_MAX_TILE_BYTES
     fake_gpu["bytes"] = 8 << 30
     tokens = choose_tile_tokens(32000, torch.bfloat16, True, device="cuda", fused=True)
-    buffers = 1 if _tile_kernel.STORE_GRAD_OVER_LOGITS else 2  # the compiled tile's [tile, V] buffers
+    buffers = 1 if _tiling.STORE_GRAD_OVER_LOGITS else 2  # the compiled tile's [tile, V] buffers
     assert tokens == ((8 << 30) // 16 // (32000 * 2 * buffers)) // 16 * 16
 
 
@@ -94,4 +94,4 @@ def test_short_tiles_pad_to_few_sizes_and_little_padding():
     for n in range(128, 4097):
         size = padded_rows(n)
         assert n <= size < n * 1.25 and size % 32 == 0
-    assert effective_tile(219, 512) == 224 and effective_tile(878, 1024) == 896
+    assert effective_tile(219, TileSize(512)) == 224 and effective_tile(878, TileSize(1024)) == 896

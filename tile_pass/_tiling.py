@@ -21,10 +21,12 @@ At run time (:func:`effective_tile`), a batch whose logits are small next to the
 cut into at least ``MIN_TILES`` tiles of a power-of-two size (but not below
 ``MIN_AUTO_TILE`` tokens, where GEMMs lose efficiency), so the tiles stay a fraction of the
 logits they replace at every size. Large batches use the budget's tile: peak memory is flat
-in ``N``. An explicit ``tile_tokens`` is used as given.
+in ``N``. An explicit ``tile_tokens`` is used as given. :class:`TileSize` says which.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -49,9 +51,9 @@ GPU_MIN_TILE_BYTES = 256 * 1024 * 1024
 GPU_MAX_TILE_BYTES = 4 * 1024 * 1024 * 1024
 
 _MIN_TILE = 16
-#: ``(rows, tiles, tile, weight-gradient schedule)`` of the last tile loop run in this process
+#: ``(rows, tiles, tile, _weight_grad.WeightGradSchedule)`` of the last tile loop run in this process
 #: (the plan depends on the labels, so it is known only at run time): the benchmark's note.
-last_tiles: tuple[int, int, int, str] | None = None
+last_tiles: tuple | None = None
 _MAX_TILE = 65536
 #: a batch is cut into at least this many tiles when the budget would allow fewer
 MIN_TILES = 8
@@ -133,28 +135,30 @@ def choose_tile_tokens(
     return max(_MIN_TILE, min(_MAX_TILE, tokens))
 
 
-def auto_tile(largest: int) -> int:
-    """Encode "automatic, at most ``largest`` tokens" for the ops' ``tile_tokens`` argument."""
-    return -largest
+class TileSize(NamedTuple):
+    """The tile asked for: ``tokens`` as given, or (``automatic``) at most ``tokens``, chosen per
+    batch by :func:`effective_tile`. A named tuple, so a rewritten graph can hold it."""
+
+    tokens: int
+    automatic: bool = False
 
 
-def effective_tile(num_tokens: int, tile_tokens: int) -> int:
+def effective_tile(num_tokens: int, size: TileSize) -> int:
     """The tile actually run for ``num_tokens`` rows.
 
-    ``tile_tokens > 0`` is a fixed tile; ``tile_tokens < 0`` (see :func:`auto_tile`) is
-    automatic with ``-tile_tokens`` as the largest tile. Batches smaller than one tile run
-    in a single tile padded by :func:`padded_rows`, so small batches neither pad to a huge
-    tile nor trace a new tile function for every distinct length.
+    Batches smaller than one tile run in a single tile padded by :func:`padded_rows`, so small
+    batches neither pad to a huge tile nor trace a new tile function for every distinct length.
     """
-    if tile_tokens < 0:
+    tile = size.tokens
+    if size.automatic:
         per_tile = num_tokens // MIN_TILES
         power = MIN_AUTO_TILE
         while power * 2 <= per_tile:
             power *= 2
-        tile_tokens = min(-tile_tokens, power)
-    if num_tokens >= tile_tokens:
-        return tile_tokens
-    return min(padded_rows(num_tokens), tile_tokens)
+        tile = min(tile, power)
+    if num_tokens >= tile:
+        return tile
+    return min(padded_rows(num_tokens), tile)
 
 
 #: from this many rows a short tile pads to a quarter-octave size, below it to a power of two

@@ -20,12 +20,14 @@ function; this only changes how their float32 sum is stored.
 from __future__ import annotations
 
 import contextlib
+import enum
 import threading
 from collections.abc import Iterator
 
 import torch
 
 from tile_pass import _settings, _tile_buffers
+from tile_pass._tiling import MIN_AUTO_TILE, TileSize, padded_rows
 
 #: Rows of a ``[V, H]`` plane handled at a time: bounds the int32/float32 temporaries of the
 #: eager implementation and the product block of :func:`split_accumulate_mm_`.
@@ -45,26 +47,31 @@ def product_block_rows(rows: int, row_bytes: int) -> int:
     return max(1, block // max(1, row_bytes))
 
 
-SCHEDULES = ("float32", "split", "direct")
+class WeightGradSchedule(enum.Enum):
+    """How the tiles form the weight gradient."""
+
+    FLOAT32 = "float32"  #: summed across tiles in one ``acc_dtype`` tensor
+    SPLIT = "split"  #: summed across tiles in two 16-bit planes of a float32 sum
+    DIRECT = "direct"  #: formed by the only tile's GEMM and returned as it is
 
 
-def schedule_for(weight_dtype: torch.dtype, acc_dtype: torch.dtype = torch.float32) -> str:
-    """``split`` for 16-bit weights summed in float32 (it holds 4 bytes per weight instead of 6
-    and moves as many bytes per add), ``float32`` otherwise (the sum is the gradient's own
+def schedule_for(weight_dtype: torch.dtype, acc_dtype: torch.dtype = torch.float32) -> WeightGradSchedule:
+    """``SPLIT`` for 16-bit weights summed in float32 (it holds 4 bytes per weight instead of 6
+    and moves as many bytes per add), ``FLOAT32`` otherwise (the sum is the gradient's own
     dtype, or float64). ``TILE_PASS_WEIGHT_GRAD_SUM`` overrides it for 16-bit weights."""
     if weight_dtype not in (torch.bfloat16, torch.float16) or acc_dtype != torch.float32:
-        return "float32"
+        return WeightGradSchedule.FLOAT32
     chosen = _settings.current().weight_grad_sum
-    return "split" if chosen == "auto" else chosen
+    return WeightGradSchedule.SPLIT if chosen == "auto" else WeightGradSchedule(chosen)
 
 
-def bytes_per_weight(schedule: str, weight_dtype: torch.dtype) -> int:
+def bytes_per_weight(schedule: WeightGradSchedule, weight_dtype: torch.dtype) -> int:
     """Bytes per weight the weight-gradient sum and the returned gradient hold at the end of
     the tile loop (what ``explain`` and the byte model report)."""
     itemsize = weight_dtype.itemsize
-    if schedule == "direct":  # the only tile's gradient is the returned one
+    if schedule is WeightGradSchedule.DIRECT:  # the only tile's gradient is the returned one
         return itemsize
-    if schedule == "split":
+    if schedule is WeightGradSchedule.SPLIT:
         return 4
     acc = max(4, itemsize)
     return acc + (itemsize if itemsize != acc else 0)
@@ -78,20 +85,21 @@ _TILE_STEP = 64
 def plan(
     num_tokens: int,
     tile: int,
-    largest_tile: int | None,
+    size: TileSize,
     weight_shape: tuple[int, int],
     weight_dtype: torch.dtype,
     acc_dtype: torch.dtype,
     tile_bytes_per_token: int,
     batch_tokens: int | None = None,
-) -> tuple[int, str]:
-    """The tile and the weight-gradient schedule for a batch of ``num_tokens``.
+) -> tuple[int, WeightGradSchedule]:
+    """The tile and the weight-gradient schedule for a batch of ``num_tokens`` run in tiles of
+    ``tile`` (:func:`tile_pass._tiling.effective_tile` of the ``size`` asked for).
 
     For half-precision weights (under the split schedule), a batch that runs as one tile needs
     no sum across tiles: the tile's own GEMM forms the weight gradient with float32
     accumulation and rounds it once, as eager does (``direct``). Float32 weights keep their
     in-place sum, which is the gradient itself.
-    With automatic tiles (``largest_tile`` given) a half-precision batch also runs as one tile
+    With automatic tiles (``size.automatic``) a half-precision batch also runs as one tile
     when that holds fewer bytes than the split sum's low plane plus the smaller tiles:
     ``P * per_token < 2 * V * H + tile * per_token`` (``P``: the batch padded by
     :func:`tile_pass._tiling.padded_rows`). That is the small batches, where the logits are
@@ -108,21 +116,19 @@ def plan(
     exists: from a few thousand tokens the planes leave room for a tile under that bound.
     """
     schedule = schedule_for(weight_dtype, acc_dtype)
-    if schedule != "split":  # float32 weights: the sum is the gradient; or the float32 schedule was asked for
+    if schedule is not WeightGradSchedule.SPLIT:  # float32 weights: the sum is the gradient; or asked for
         return tile, schedule
     if num_tokens <= tile:
-        return tile, "direct"
-    if largest_tile is None:
+        return tile, WeightGradSchedule.DIRECT
+    if not size.automatic:
         return tile, schedule
-    from tile_pass._tiling import padded_rows
-
     padded = padded_rows(num_tokens)
     low_plane = 2 * weight_shape[0] * weight_shape[1]
     if padded * tile_bytes_per_token < low_plane + tile * tile_bytes_per_token:
-        return padded, "direct"
+        return padded, WeightGradSchedule.DIRECT
     # every tile costs one pass over the planes (10 bytes per weight): the tile grows, within
     # the budget and to at least two tiles, until it holds half the low plane
-    cap = min(largest_tile, low_plane // 2 // max(1, tile_bytes_per_token))
+    cap = min(size.tokens, low_plane // 2 // max(1, tile_bytes_per_token))
     while tile * 2 <= cap and tile * 2 <= num_tokens // 2:
         tile *= 2
     if batch_tokens is not None:
@@ -153,8 +159,6 @@ def held_bytes(
 
 
 def _within_half_of_unfused(tile, batch_tokens, weight_shape, weight_dtype, tile_bytes_per_token) -> int:
-    from tile_pass._tiling import MIN_AUTO_TILE
-
     itemsize = weight_dtype.itemsize
     bound = unfused_bytes(batch_tokens, weight_shape, itemsize, tile_bytes_per_token) // 2
     shrunk = tile

@@ -53,7 +53,7 @@ from tile_pass._measure import (
     run_fresh,
     training_step,
 )
-from tile_pass._tile_kernel import _onednn_mm, onednn_gemms_apply
+from tile_pass._tile_passes.onednn_gemms import _onednn_mm, onednn_gemms_apply
 
 #: Every implementation the benchmark knows. CPU-only runs use :func:`default_impls`.
 IMPLS = ("eager", "inductor", "autochunker", "torch_chunked", "cce", "tile_pass", "liger", "cce_kernel")
@@ -358,7 +358,9 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
         if rewrites:
             ran = importlib.import_module("tile_pass._tiling").last_tiles  # the plan of the labels
             out["tile_tokens"] = ran[2] if ran else rewrites[0].tile_tokens
-            notes.append(f"tile={ran[2]}x{ran[1]} {ran[3]}" if ran else f"tile={rewrites[0].tile_tokens}")
+            notes.append(
+                f"tile={ran[2]}x{ran[1]} {ran[3].value}" if ran else f"tile={rewrites[0].tile_tokens}"
+            )
         else:
             notes.append("NOT REWRITTEN")
     out.update(

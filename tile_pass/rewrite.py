@@ -30,7 +30,8 @@ from tile_pass._logging import log
 from tile_pass._options import TileOptions
 from tile_pass._returned_logits import ReturnedLogits
 from tile_pass._rules import NoMatch, bind, describe
-from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
+from tile_pass._tiling import TileSize, choose_tile_tokens, effective_tile, tile_bytes_per_token
+from tile_pass._weight_grad import WeightGradSchedule
 from tile_pass.report import GraphReport, Rewrite, Skip, source_line
 
 _LOSS_SIGNATURES = {
@@ -213,8 +214,7 @@ def _rewrite_row_regions(
                 vocab, dtype, dtype != torch.float32, tile_tokens=options.tile_tokens,
                 tile_bytes=options.tile_bytes, device=val(node).device, fused=options.compile_tiles,
             )  # fmt: skip
-            if options.tile_tokens is None:
-                tile = auto_tile(tile)
+            tile = TileSize(tile, automatic=options.tile_tokens is None)
             current[:] = [region.projection, region.sink or region.outputs[0].node]
             covered = set(region.nodes) | set(region.reduction_nodes)
             loss_line = source_line(region.sink or region.outputs[0].node)
@@ -265,8 +265,8 @@ def _rewrite_row_regions(
 
 
 def _planned_tile(
-    region, num_tokens, tile: int, dtype: torch.dtype, compiled: bool
-) -> tuple[int, str | None]:
+    region, num_tokens, tile: TileSize, dtype: torch.dtype, compiled: bool
+) -> tuple[int, WeightGradSchedule | None]:
     """The tile and weight-gradient schedule the op will plan for a batch whose tokens all
     count (``tile_pass.tiled_region._plan`` at run time, here on the sizes' hints, unguarded)."""
     tokens_hint = optimization_hint(num_tokens, fallback=8192)
@@ -275,7 +275,7 @@ def _planned_tile(
         return tile_now, None
     vocab, hidden = (optimization_hint(size, fallback=4096) for size in val(region.weight).shape)
     return _weight_grad.plan(
-        tokens_hint, tile_now, -tile if tile < 0 else None, (vocab, hidden), dtype,
+        tokens_hint, tile_now, tile, (vocab, hidden), dtype,
         torch.promote_types(torch.float32, dtype),
         tile_bytes_per_token(vocab, dtype, dtype != torch.float32, compiled), tokens_hint,
     )  # fmt: skip
@@ -297,20 +297,20 @@ def _reduction_text(region, covered: set) -> str:
 
 
 _SCHEDULE_TEXT = {
-    "direct": "formed by the only tile's GEMM, no sum across tiles",
-    "split": "float32 sum in two 16-bit planes, rounded over the high one",
-    "float32": "float32 sum",
+    WeightGradSchedule.DIRECT: "formed by the only tile's GEMM, no sum across tiles",
+    WeightGradSchedule.SPLIT: "float32 sum in two 16-bit planes, rounded over the high one",
+    WeightGradSchedule.FLOAT32: "float32 sum",
 }
 
 
-def _weight_grad_sum(schedule: str | None, dtype: torch.dtype) -> str:
+def _weight_grad_sum(schedule: WeightGradSchedule | None, dtype: torch.dtype) -> str:
     """How the tiles will form the weight gradient, and what it holds (see _weight_grad)."""
     if schedule is None:
         return "none"
     what = _SCHEDULE_TEXT[schedule]
-    if schedule == "float32" and dtype == torch.float64:
+    if schedule is WeightGradSchedule.FLOAT32 and dtype == torch.float64:
         what = "float64 sum"
-    elif schedule == "float32" and dtype != torch.float32:
+    elif schedule is WeightGradSchedule.FLOAT32 and dtype != torch.float32:
         what += ", rounded into a separate gradient"
     held = _weight_grad.bytes_per_weight(schedule, dtype)
     return f"{what} ({held} bytes per weight at the end of the loop, the returned gradient included)"

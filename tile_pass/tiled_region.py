@@ -35,114 +35,90 @@ from tile_pass._higher_order import anchors, refuse_higher_order, scaled_by_upst
 from tile_pass._op_results import acc_dtype, fake_grads, grads_or_empty, last_add_if
 from tile_pass._region import RowProgram
 from tile_pass._tile_kernel import (
+    TensorSpec,
+    TileInputs,
+    TileKernelKey,
     differentiable,
-    finish_split,
-    finish_tile_graph,
-    onednn_gemms_apply,
     trace_fake,
     traced_once,
 )
-from tile_pass._tiling import effective_tile, tile_bytes_per_token
+from tile_pass._tile_passes import finish_tile_graph
+from tile_pass._tile_passes.onednn_gemms import onednn_gemms_apply
+from tile_pass._tile_passes.split_accumulation import finish_split
+from tile_pass._tiling import TileSize, effective_tile, tile_bytes_per_token
 from tile_pass._token_weights import token_weights
+from tile_pass._weight_grad import WeightGradSchedule
 
 
-@dataclasses.dataclass(frozen=True)
-class ProgramKernelKey:
-    """A traced tile function of one program, for one tile size, dtype and device."""
-
-    program: str
-    tile: int
-    hidden_size: int
-    hidden_dtype: torch.dtype
-    weight_dtype: torch.dtype
-    bias_dtype: torch.dtype | None
-    token_inputs: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # per-token row part and dtype
-    row_inputs: tuple[tuple[tuple[int, ...], torch.dtype], ...]
-    tangents: tuple[int, ...]  # the outputs that get a tangent (a token weight)
-    device: torch.device
-    need_hidden: bool
-    need_weight: bool
-    need_bias: bool
-    acc_dtype: torch.dtype
-    compiled: bool = False
-    onednn: bool = False
-    #: the weight-gradient sum across tiles: ``"float32"`` (one ``acc_dtype`` tensor) or
-    #: ``"split"`` (two 16-bit planes for a half-precision head, see ``_weight_grad``)
-    weight_grad: str = "float32"
-    vocab_size: int = 0  # the program's (this rank's rows when sharded), for the blocked split sum
-
-
-def _kernel_inputs(key: ProgramKernelKey, program: RowProgram) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def _input_spec(key: TileKernelKey, program: RowProgram) -> TileInputs:
+    """The shapes and dtypes of a tile's inputs, as the tile loop passes them."""
     T, H, V = key.tile, key.hidden_size, program.vocab_size
-    inputs = [((T, H), key.hidden_dtype), ((V, H), key.weight_dtype)]
-    if key.bias_dtype is not None:
-        inputs.append(((V,), key.bias_dtype))
-    inputs += [((T, *part), dtype) for part, dtype in key.token_inputs]
-    inputs += list(key.row_inputs)
-    for index in key.tangents:
-        out = program.outputs[index]
-        inputs.append(((T, *_region.row_part(out.layout, V)), out.dtype))
-    if key.need_weight and key.weight_grad == "split":
-        inputs += [((V, H), torch.int16), ((V, H), torch.int16)]
-    elif key.need_weight and key.weight_grad != "direct":
-        inputs.append(((V, H), key.acc_dtype))
-    if key.need_bias:
-        inputs.append(((V,), key.acc_dtype))
-    return inputs
+    sum_dtypes = {
+        WeightGradSchedule.SPLIT: (torch.int16, torch.int16),
+        WeightGradSchedule.FLOAT32: (key.acc_dtype,),
+    }
+    return TileInputs(
+        hidden=TensorSpec((T, H), key.hidden_dtype),
+        weight=TensorSpec((V, H), key.weight_dtype),
+        bias=None if key.bias_dtype is None else TensorSpec((V,), key.bias_dtype),
+        token_inputs=tuple(TensorSpec((T, *part), dtype) for part, dtype in key.token_inputs),
+        row_inputs=tuple(TensorSpec(shape, dtype) for shape, dtype in key.row_inputs),
+        tangents=tuple(
+            TensorSpec((T, *_region.row_part(program.outputs[i].layout, V)), program.outputs[i].dtype)
+            for i in key.tangents
+        ),
+        weight_grad_sum=tuple(
+            TensorSpec((V, H), d) for d in sum_dtypes.get(key.weight_grad, ()) if key.need_weight
+        ),
+        bias_grad_sum=TensorSpec((V,), key.acc_dtype) if key.need_bias else None,
+    )
 
 
-def _joint(key: ProgramKernelKey, program: RowProgram):
-    """``(h, W, b, token inputs, row inputs, tangents, dW_acc, db_acc) -> (outputs, dh)``."""
-    num_token, num_row = len(key.token_inputs), len(key.row_inputs)
+def _joint(key: TileKernelKey, program: RowProgram):
+    """``TileInputs -> (*outputs, grad hidden?, grad weight?)``: the program's outputs and the
+    gradients of ``sum(tangent * output)``, the weight's and the bias's added into their sums
+    (the weight's returned under the ``DIRECT`` schedule)."""
+    schedule = key.weight_grad if key.need_weight else None
 
-    def joint(*args):
-        args = list(args)
-        hidden, weight = args.pop(0), args.pop(0)
-        bias = args.pop(0) if key.bias_dtype is not None else None
-        token_inputs = [args.pop(0) for _ in range(num_token)]
-        row_inputs = [args.pop(0) for _ in range(num_row)]
-        tangents = [args.pop(0) for _ in key.tangents]
-        split = key.need_weight and key.weight_grad == "split"
-        direct = key.need_weight and key.weight_grad == "direct"  # the only tile: returned as it is
-        summed = key.need_weight and not split and not direct
-        weight_acc = (args.pop(0), args.pop(0)) if split else args.pop(0) if summed else None
-        bias_acc = args.pop(0) if key.need_bias else None
+    def joint(inputs: TileInputs):
         with torch.enable_grad():
             (hidden, weight, bias), wanted = differentiable(
-                (hidden, weight, bias), (key.need_hidden, key.need_weight, key.need_bias)
+                (inputs.hidden, inputs.weight, inputs.bias), (key.need_hidden, key.need_weight, key.need_bias)
             )
-            outputs = _region.run_program(program, hidden, weight, bias, token_inputs, row_inputs)
+            outputs = _region.run_program(
+                program, hidden, weight, bias, list(inputs.token_inputs), list(inputs.row_inputs)
+            )
             grads = [None] * len(wanted)
             if wanted and key.tangents:
                 grads = torch.autograd.grad(
-                    [outputs[i] for i in key.tangents], wanted, tangents, allow_unused=True
+                    [outputs[i] for i in key.tangents], wanted, list(inputs.tangents), allow_unused=True
                 )
         grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wanted, strict=True)]
         grad_hidden = grads.pop(0) if key.need_hidden else None
         grad_weight = grads.pop(0) if key.need_weight else None
-        if split:
-            torch.ops.tile_pass.split_accumulate_(*weight_acc, grad_weight)
-        elif summed:
-            weight_acc.add_(grad_weight)
+        if schedule is WeightGradSchedule.SPLIT:
+            torch.ops.tile_pass.split_accumulate_(*inputs.weight_grad_sum, grad_weight)
+        elif schedule is WeightGradSchedule.FLOAT32:
+            inputs.weight_grad_sum[0].add_(grad_weight)
         if key.need_bias:
-            bias_acc.add_(grads.pop(0))
+            inputs.bias_grad_sum.add_(grads.pop(0))
         result = [out.detach() for out in outputs]
         result += [grad_hidden] if grad_hidden is not None else []
-        return (*result, grad_weight) if direct else tuple(result)
+        return (*result, grad_weight) if schedule is WeightGradSchedule.DIRECT else tuple(result)
 
     return joint
 
 
-def _trace_program_kernel(key: ProgramKernelKey):
+def _trace_program_kernel(key: TileKernelKey) -> torch.fx.GraphModule:
     program = _region.lookup(key.program)
 
-    def trace(key: ProgramKernelKey) -> torch.fx.GraphModule:
-        return trace_fake(_joint(key, program), _kernel_inputs(key, program), key.device)
+    def trace(key: TileKernelKey) -> torch.fx.GraphModule:
+        return trace_fake(_joint(key, program), _input_spec(key, program), key.device)
 
     return finish_tile_graph(trace(key), key, lambda rows: trace(dataclasses.replace(key, tile=rows)))
 
 
-def _program_kernel(key: ProgramKernelKey):
+def _program_kernel(key: TileKernelKey):
     return traced_once(key, _trace_program_kernel)
 
 
@@ -196,26 +172,16 @@ def _skipped_rows(program: RowProgram, token_inputs, hidden, weights: dict | Non
     return (~skip).nonzero().squeeze(1)
 
 
-def _plan(weight, tile_tokens: int, rows: int, batch: int, acc, compiled: bool, need_weight):
+def _plan(weight, tile_size: TileSize, rows: int, batch: int, acc, compiled: bool, need_weight):
     """The tile and the weight-gradient schedule (tile_pass._weight_grad.plan) for ``rows`` of a
-    batch of ``batch`` tokens: the one-tile ``direct`` schedule, the split sum, tile growth and
+    batch of ``batch`` tokens: the one-tile ``DIRECT`` schedule, the split sum, tile growth and
     shrink against the byte budget, as for the cross entropy."""
-    tile = effective_tile(rows, tile_tokens)
+    tile = effective_tile(rows, tile_size)
     if not need_weight:
-        return tile, "float32"
+        return tile, WeightGradSchedule.FLOAT32
     vocab, hidden = weight.shape
     per_token = tile_bytes_per_token(vocab, weight.dtype, weight.dtype != torch.float32, compiled)
-    tile, schedule = _weight_grad.plan(
-        rows,
-        tile,
-        -tile_tokens if tile_tokens < 0 else None,
-        (vocab, hidden),
-        weight.dtype,
-        acc,
-        per_token,
-        batch,
-    )
-    return tile, schedule
+    return _weight_grad.plan(rows, tile, tile_size, (vocab, hidden), weight.dtype, acc, per_token, batch)
 
 
 @_tile_buffers.shared()
@@ -227,7 +193,7 @@ def _run_tiles(
     token_inputs: list[torch.Tensor],
     row_inputs: list[torch.Tensor],
     tangents: dict[int, torch.Tensor],
-    tile_tokens: int,
+    tile_size: TileSize,
     compile_tiles: bool,
     need: tuple[bool, bool, bool],
     keep_outputs: bool = True,
@@ -245,12 +211,13 @@ def _run_tiles(
     num_tokens = batch if rows is None else rows.numel()
     vocab_size = program.vocab_size
     acc = acc_dtype(hidden)
-    tile, schedule = _plan(weight, tile_tokens, num_tokens, batch, acc, compile_tiles, need_weight)
+    tile, schedule = _plan(weight, tile_size, num_tokens, batch, acc, compile_tiles, need_weight)
     _tiling.last_tiles = (num_tokens, -(-num_tokens // tile), tile, schedule)
-    key = ProgramKernelKey(
+    key = TileKernelKey(
         program=program.key,
         tile=tile,
         hidden_size=hidden_size,
+        vocab_size=vocab_size,
         hidden_dtype=hidden.dtype,
         weight_dtype=weight.dtype,
         bias_dtype=None if bias is None else bias.dtype,
@@ -265,9 +232,9 @@ def _run_tiles(
         compiled=compile_tiles,
         onednn=onednn_gemms_apply(hidden.device),
         weight_grad=schedule,
-        vocab_size=vocab_size,
     )
-    split, direct = schedule == "split", need_weight and schedule == "direct"
+    split = schedule is WeightGradSchedule.SPLIT
+    direct = need_weight and schedule is WeightGradSchedule.DIRECT
     make = _tile_buffers.empty if rows is None else _tile_buffers.zeros
     outputs = [
         make((batch, *_region.row_part(out.layout, vocab_size)), out.dtype, hidden.device)
@@ -275,19 +242,20 @@ def _run_tiles(
     ] if keep_outputs else None  # fmt: skip
     whole = rows is None and num_tokens == tile  # one tile, no padding: its hidden gradient is the result
     grad_hidden = make(hidden.shape, hidden.dtype, hidden.device) if need_hidden and not whole else None
+    weight_grad_sum, grad_weight = (), None
     if split:  # the float32 sum as two 16-bit planes: 4 bytes per weight with the gradient
-        weight_acc = _weight_grad.unwritten_planes(weight.shape, weight.device)
+        weight_grad_sum = _weight_grad.unwritten_planes(weight.shape, weight.device)
     elif direct:  # the only tile forms it (none when no token runs)
-        weight_acc = (
+        grad_weight = (
             _tile_buffers.zeros(weight.shape, weight.dtype, weight.device) if not num_tokens else None
         )
-    else:
-        weight_acc = _tile_buffers.zeros(weight.shape, acc, weight.device) if need_weight else None
+    elif need_weight:
+        weight_grad_sum = (_tile_buffers.zeros(weight.shape, acc, weight.device),)
     bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
     for start in range(0, num_tokens, tile):
         stop = min(start + tile, num_tokens)
         count = stop - start
-        size = tile if count == tile else effective_tile(count, tile)
+        size = tile if count == tile else effective_tile(count, TileSize(tile))
         kernel = _program_kernel(key if size == key.tile else dataclasses.replace(key, tile=size))
         picked = None if rows is None else rows[start:stop]
 
@@ -296,15 +264,20 @@ def _run_tiles(
                 return _tile_of(t, start, stop, size, zeros)
             return _tile_of(t.index_select(0, picked), 0, stop - start, size, zeros)
 
-        args = [tile_of(hidden), weight] + ([bias] if bias is not None else [])
-        args += [tile_of(t) for t in token_inputs] + list(row_inputs)
-        args += [tile_of(tangents[i], zeros=True) for i in key.tangents]
-        args += [*weight_acc] if split else [weight_acc] if weight_acc is not None and not direct else []
-        args += [bias_acc] if bias_acc is not None else []
-        with last_add_if(split and stop == num_tokens, weight_acc):
-            result = list(kernel(*args))
+        inputs = TileInputs(
+            hidden=tile_of(hidden),
+            weight=weight,
+            bias=bias,
+            token_inputs=tuple(tile_of(t) for t in token_inputs),
+            row_inputs=tuple(row_inputs),
+            tangents=tuple(tile_of(tangents[i], zeros=True) for i in key.tangents),
+            weight_grad_sum=weight_grad_sum,
+            bias_grad_sum=bias_acc,
+        )
+        with last_add_if(split and stop == num_tokens, weight_grad_sum):
+            result = list(kernel(*inputs.flat()))
         if direct:
-            weight_acc = result.pop()
+            grad_weight = result.pop()
         if outputs is not None:
             for out, value in zip(outputs, result, strict=False):
                 if picked is None:
@@ -320,13 +293,15 @@ def _run_tiles(
             else:
                 grad_hidden.index_copy_(0, picked, grad[:count])
     if split:  # rounded once into the weight dtype, over the high plane
-        weight_acc = finish_split(*_weight_grad.settle(*weight_acc), weight.dtype, compile_tiles)
+        grad_weight = finish_split(*_weight_grad.settle(*weight_grad_sum), weight.dtype, compile_tiles)
+    elif need_weight and not direct:
+        grad_weight = weight_grad_sum[0]
     if need_hidden and grad_hidden is None:  # no token ran
         grad_hidden = _tile_buffers.zeros(hidden.shape, hidden.dtype, hidden.device)
     if need_hidden and program.shard is not None:  # each rank holds its shard's share
         group = torch.distributed.distributed_c10d._resolve_process_group(program.shard[0])
         torch.distributed.all_reduce(grad_hidden, group=group)
-    return outputs, grad_hidden, weight_acc, bias_acc
+    return outputs, grad_hidden, grad_weight, bias_acc
 
 
 def _tile_of(t: torch.Tensor, start: int, stop: int, size: int, zeros: bool = False) -> torch.Tensor:
@@ -375,6 +350,7 @@ def _row_region_loss(
     *,
     program: str,
     tile_tokens: int,
+    auto_tile: bool,
     compile_tiles: bool,
     need_hidden: bool,
     need_weight: bool,
@@ -388,8 +364,8 @@ def _row_region_loss(
     tangents = token_weights(region, _zero_outputs(region, hidden), reduce_inputs)
     rows = _skipped_rows(region, token_inputs, hidden, tangents, values=True)
     outputs, *grads = _run_tiles(
-        region, hidden, weight, bias, token_inputs, row_inputs, tangents, tile_tokens, compile_tiles,
-        (need_hidden, need_weight, need_bias), rows=rows,
+        region, hidden, weight, bias, token_inputs, row_inputs, tangents, TileSize(tile_tokens, auto_tile),
+        compile_tiles, (need_hidden, need_weight, need_bias), rows=rows,
     )  # fmt: skip
     with _region.dispatch_as_caller():
         loss = _region.run_reduction(region.reduction, outputs, reduce_inputs, hidden.device.type)
@@ -397,8 +373,8 @@ def _row_region_loss(
 
 
 @_row_region_loss.register_fake
-def _(hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, *, program, tile_tokens, compile_tiles,
-      need_hidden, need_weight, need_bias):  # fmt: skip
+def _(hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, *, program, tile_tokens, auto_tile,
+      compile_tiles, need_hidden, need_weight, need_bias):  # fmt: skip
     region = _region.lookup(program)
     loss = hidden.new_empty((), dtype=region.reduction.dtype)
     return [loss, *fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias),
@@ -437,6 +413,7 @@ def _row_region(
     *,
     program: str,
     tile_tokens: int,
+    auto_tile: bool,
     compile_tiles: bool,
 ) -> list[torch.Tensor]:
     """The outputs, flat over the tokens; nothing is differentiated in forward."""
@@ -444,14 +421,14 @@ def _row_region(
     _check_indices(region, token_inputs)
     rows = _skipped_rows(region, token_inputs, hidden, None, values=True)
     outputs, *_ = _run_tiles(
-        region, hidden, weight, bias, token_inputs, row_inputs, {}, tile_tokens, compile_tiles,
-        (False, False, False), rows=rows,
+        region, hidden, weight, bias, token_inputs, row_inputs, {}, TileSize(tile_tokens, auto_tile),
+        compile_tiles, (False, False, False), rows=rows,
     )  # fmt: skip
     return outputs
 
 
 @_row_region.register_fake
-def _(hidden, weight, bias, token_inputs, row_inputs, *, program, tile_tokens, compile_tiles):
+def _(hidden, weight, bias, token_inputs, row_inputs, *, program, tile_tokens, auto_tile, compile_tiles):
     return _fake_outputs(_region.lookup(program), hidden)
 
 
@@ -466,6 +443,7 @@ def _row_region_backward(
     *,
     program: str,
     tile_tokens: int,
+    auto_tile: bool,
     compile_tiles: bool,
     need_hidden: bool,
     need_weight: bool,
@@ -477,15 +455,15 @@ def _row_region_backward(
     tangents = dict(zip(diff, tangents, strict=True))
     rows = _skipped_rows(region, token_inputs, hidden, tangents, values=False)
     _, *grads = _run_tiles(
-        region, hidden, weight, bias, token_inputs, row_inputs, tangents, tile_tokens, compile_tiles,
-        (need_hidden, need_weight, need_bias), keep_outputs=False, rows=rows,
+        region, hidden, weight, bias, token_inputs, row_inputs, tangents, TileSize(tile_tokens, auto_tile),
+        compile_tiles, (need_hidden, need_weight, need_bias), keep_outputs=False, rows=rows,
     )  # fmt: skip
     return list(grads_or_empty(hidden, weight, bias, *grads))
 
 
 @_row_region_backward.register_fake
-def _(tangents, hidden, weight, bias, token_inputs, row_inputs, *, program, tile_tokens, compile_tiles,
-      need_hidden, need_weight, need_bias):  # fmt: skip
+def _(tangents, hidden, weight, bias, token_inputs, row_inputs, *, program, tile_tokens, auto_tile,
+      compile_tiles, need_hidden, need_weight, need_bias):  # fmt: skip
     return list(fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias))
 
 
@@ -536,14 +514,15 @@ def run_region(
     reduce_inputs: list[torch.Tensor],
     *,
     program: str,
-    tile_tokens: int,
+    tile_tokens: TileSize,
     compile_tiles: bool,
 ) -> list[torch.Tensor]:
     """What the rewritten graph calls: the region's outputs (flat over the tokens), preceded
-    by its scalar loss when the program has one."""
+    by its scalar loss when the program has one. The ops take the tile size as primitives."""
     hidden = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
     region = _region.lookup(program)
-    options = dict(program=program, tile_tokens=tile_tokens, compile_tiles=compile_tiles)
+    options = dict(program=program, tile_tokens=tile_tokens.tokens, auto_tile=tile_tokens.automatic,
+                   compile_tiles=compile_tiles)  # fmt: skip
     if region.reduction is None:
         return _row_region(hidden, weight, bias, token_inputs, row_inputs, **options)
     grad_on = torch.is_grad_enabled()
