@@ -25,10 +25,11 @@ except ImportError:  # torch 2.11/2.12: the same unguarded hint, under its older
 
 from tile_pass import _region_match, _rules, _weight_grad
 from tile_pass._fold_loops import fold_row_loops
-from tile_pass._fx import as_linear, val
+from tile_pass._fx import NoMatch, as_linear, describe, val
 from tile_pass._logging import log
+from tile_pass._region import Layout
 from tile_pass._returned_logits import ReturnedLogits
-from tile_pass._rules import NoMatch, bind, describe
+from tile_pass._rules import bind
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
 from tile_pass.report import GraphReport, Rewrite, Skip, source_line
 
@@ -196,9 +197,13 @@ def _why_untiled(loss: torch.fx.Node) -> str:
             return f"the loss input comes from {describe(node)}, not from a linear layer"
         path.append(node)
         node = inputs[0]
-    for reader in reversed(path):  # from the head towards the loss
+    path.reverse()  # from the head towards the loss
+    for reader in path:
         if _rules.rule_for(reader) is None:
             return f"{describe(reader)} has no row-wise rule, so the logits would have to exist whole"
+    stopped = _region_match.first_stop(loss.graph, node, path)
+    if stopped is not None:
+        return str(stopped)
     return f"the LM head at {source_line(node)} reaches the loss, but no row-wise region of it was found"
 
 
@@ -222,6 +227,7 @@ def _rewrite_row_regions(
         if node.graph is None:  # erased by an earlier rewrite
             continue
         current[:] = [node]
+        covered: set[torch.fx.Node] = set()  # the nodes of a matched region
         try:
             region = _region_match.match_row_region(gm.graph, node, states, drop_logits)
             if region is None:
@@ -241,8 +247,8 @@ def _rewrite_row_regions(
                 gm.graph, region, tile_tokens=tile, compile_tiles=run_compiled_tiles, result=result,
                 autocast_states=states,
             )  # fmt: skip
-        except NoMatch as why:
-            depends = getattr(why, "depends", set())
+        except NoMatch as why:  # the reason replaces those of the losses it holds
+            depends = why.depends or covered
             held = [loss for loss in losses if loss in depends]
             line = source_line(held[0]) if held else source_line(node)
             losses[:] = [loss for loss in losses if loss not in depends]
@@ -252,7 +258,7 @@ def _rewrite_row_regions(
         num_tokens = region.num_tokens
         tile_now, schedule = _planned_tile(region, num_tokens, tile, dtype, compile_tiles)
         itemsize = dtype.itemsize
-        returned = [val(o.node) for o in region.outputs if o.layout.kind == "rows"]
+        returned = [val(o.node) for o in region.outputs if o.shape.layout is Layout.ROWS]
         returned += [val(node) for node in region.kept_whole]
         kept = sum(value.numel() * value.element_size() for value in returned)
         outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
@@ -306,7 +312,7 @@ def _reduction_text(region, covered: set) -> str:
     and whether the op forms the loss's gradient in forward (one scalar) or in backward."""
     calls = [n for n in covered if n.op == "call_function" and n.target in (*_LOSS_SIGNATURES, F.kl_div)]
     eager = None
-    if len(calls) == 1 and [o.node for o in region.outputs if o.layout.kind != "rows"] == calls:
+    if len(calls) == 1 and [o.node for o in region.outputs if o.shape.layout is not Layout.ROWS] == calls:
         options = bind(_LOSS_SIGNATURES.get(calls[0].target, inspect.signature(F.kl_div)), calls[0])
         eager = options["reduction"] if isinstance(options["reduction"], str) else None
     if region.program.reduction is not None:
