@@ -13,13 +13,10 @@ from tile_pass.report import source_line
 
 
 class NoMatch(Exception):
-    """Why a candidate cannot be rewritten exactly, in plain language.
-
-    Like Inductor's ``FailedMatch``, the text is formatted only when read
-    (``format_string.format(*format_args)``, each fx node shown by :func:`describe`), and a
-    caller reads the fields: ``node`` is the fx node that stopped the region (by default the
-    first node the text names), ``depends`` the nodes computed from the projection's logits,
-    whose own reports this one replaces."""
+    """Why a candidate cannot be rewritten exactly, in plain language. As Inductor's ``FailedMatch``,
+    the text is formatted when read (each fx node in ``format_args`` shown by :func:`describe`);
+    ``node`` is the node that stopped the region (by default the first one the text names),
+    ``depends`` the nodes computed from the logits, whose own reports this one replaces."""
 
     def __init__(self, format_string: str, *format_args, node: torch.fx.Node | None = None):
         super().__init__(format_string, *format_args)

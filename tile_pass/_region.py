@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 
 class Layout(str, enum.Enum):
-    """A per-token value's layout in a tile. A program holds the first three; the matcher
-    also marks a value reduced over the tokens, and ``max(dim)``'s (values, indices) pair.
-    A ``str`` enum, so code and tests that name a layout by its text keep working."""
+    """A per-token value's layout in a tile (a ``str`` enum: code that names one by its text works).
+    Programs hold the first three; the matcher also marks values reduced over the tokens and
+    ``max(dim)``'s (values, indices) pairs."""
 
     ROWS = "rows"  # [tile, V]
     TOKENS1 = "tokens1"  # [tile, 1]
@@ -46,16 +46,16 @@ def row_part(layout: Layout, vocab_size) -> tuple:
 
 
 class RefKind(enum.Enum):
-    VALUE = enum.auto()  # the output of step ``index - 1``; 0 is the projection
-    TOKEN = enum.auto()  # a per-token input, sliced per tile
-    ROW = enum.auto()  # an input every row shares: a 0-d or [V] tensor
-    OUTPUT = enum.auto()  # in a reduction program: a region output
-    REDUCE = enum.auto()  # in a reduction program: one of its own inputs
+    """``VALUE``: the output of step ``index - 1`` (0 is the projection); ``TOKEN``: a per-token
+    input, sliced per tile; ``ROW``: an input every row shares (0-d or ``[V]``); in a reduction
+    program, ``OUTPUT``: a region output, ``REDUCE``: one of its own inputs."""
+
+    VALUE, TOKEN, ROW, OUTPUT, REDUCE = range(5)
 
 
 @dataclass(frozen=True)
 class Ref:
-    """An operand of a step: the ``index``-th value, input or output of its ``kind``."""
+    """An operand of a step: the ``index``-th of its ``kind``."""
 
     kind: RefKind
     index: int
@@ -129,12 +129,11 @@ class Output:
 
 
 class ZeroKind(enum.Enum):
-    """How a per-token input makes a value zero at a token: the input is"""
+    """What a per-token input is at a token where it makes a value zero: ``EQUALS`` a value (a cross
+    entropy's ``ignore_index``), ``ZERO`` (a multiplying mask), ``FALSE`` (``where(mask, x, 0)``)
+    or ``TRUE`` (``masked_fill(mask, 0)``)."""
 
-    EQUALS = enum.auto()  # ``== value``: a cross entropy's ``ignore_index``
-    ZERO = enum.auto()  # zero: a multiplying mask
-    FALSE = enum.auto()  # false: ``where(mask, x, 0)``
-    TRUE = enum.auto()  # true: ``masked_fill(mask, 0)``
+    EQUALS, ZERO, FALSE, TRUE = range(4)
 
 
 @dataclass(frozen=True)

@@ -579,11 +579,10 @@ class RegionMatcher:
         env: dict[torch.fx.Node, Ref] = {}
         steps: list[Step] = []
         linear: set[torch.fx.Node] = set()  # depends on a differentiable output
-        inputs: list[torch.fx.Node] = []
-        hidden_ref = None
+        inputs: list[torch.fx.Node] = [self.hidden]  # the hidden states: for their token shape only
+        hidden = Ref(RefKind.REDUCE, 0)
 
         def external(arg):
-            nonlocal hidden_ref
             if not isinstance(arg, torch.fx.Node):
                 if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                     raise NoMatch("dynamic scalar")
@@ -597,13 +596,6 @@ class RegionMatcher:
                 inputs.append(arg)
             return Ref(RefKind.REDUCE, inputs.index(arg))
 
-        def hidden_input():  # for its token shape only
-            nonlocal hidden_ref
-            if hidden_ref is None:
-                inputs.append(self.hidden)
-                hidden_ref = Ref(RefKind.REDUCE, len(inputs) - 1)
-            return hidden_ref
-
         for k, out in enumerate(outputs):
             flat, read = out.flat_tokens, Ref(RefKind.OUTPUT, k)
             if out.after_tiles is not None:
@@ -611,22 +603,29 @@ class RegionMatcher:
                     operands = [external(a) for a in out.after_tiles.operands]
                 except NoMatch:  # labels or class weights computed from the logits
                     return None
-                args = (read, out.after_tiles.how, hidden_input(), flat, *operands)
+                args = (read, out.after_tiles.how, hidden, flat, *operands)
                 steps.append(self.step(out.node, _after_tiles, args))
             else:
-                steps.append(self.step(out.node, _restore, (read, hidden_input(), flat)))
+                steps.append(self.step(out.node, _restore, (read, hidden, flat)))
             env[out.node] = Ref(RefKind.VALUE, len(steps) - 1)
             if out.differentiable:
                 linear.add(out.node)
         nodes = []
         for node in self.graph.nodes:
-            if node in env or not any(a in linear for a in node.all_input_nodes):
+            if (
+                node in env
+                or not any(a in linear for a in node.all_input_nodes)
+                or not _linear_in(node, linear)
+            ):
                 continue
             try:
-                step = self._linear_step(node, env, linear, external)
-            except NoMatch:
+                args = [
+                    env[a] if isinstance(a, torch.fx.Node) and a in env else external(a) for a in node.args
+                ]
+                kwargs = [(k, external(v)) for k, v in node.kwargs.items()]
+            except NoMatch:  # it reads the logits otherwise, or a tensor that needs a gradient
                 continue
-            steps.append(step)
+            steps.append(self.step(node, node.target, args, kwargs, node.op))
             env[node] = Ref(RefKind.VALUE, len(steps) - 1)
             linear.add(node)
             nodes.append(node)
@@ -640,37 +639,31 @@ class RegionMatcher:
             return None
         return nodes, steps, sink, inputs, env[sink].index
 
-    def _linear_step(self, node, env, linear, external) -> Step:
-        """A token reduction or combination linear in the differentiable outputs, as a step."""
-        if _rules.rule_for(node) is None or node.op not in ("call_function", "call_method"):
-            raise NoMatch("no rule")
-        name = _rules.op_name(node).strip("_").removeprefix("i")
-        dependent = [a for a in node.args if isinstance(a, torch.fx.Node) and a in linear]
-        if any(isinstance(v, torch.fx.Node) and v in linear for v in node.kwargs.values()):
-            raise NoMatch("keyword operand")
-        if name in ("sum", "mean", "view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "neg",
-                    "float", "double", "to", "type", "getitem"):  # fmt: skip
-            if node.args[0] not in linear or len(dependent) != 1:
-                raise NoMatch("not linear")
-            if name in ("to", "type") and any(not isinstance(a, torch.dtype) for a in node.args[1:]):
-                raise NoMatch("not a dtype cast")
-        elif name in ("mul", "rmul"):
-            if len(dependent) != 1:
-                raise NoMatch("a product of two outputs")
-        elif name in ("truediv", "div"):
-            if (
-                len(dependent) != 1
-                or node.args[0] not in linear
-                or node.kwargs.get("rounding_mode") is not None
-            ):
-                raise NoMatch("not linear")
-        elif name not in ("add", "sub", "radd", "rsub"):
-            raise NoMatch("not linear")
-        if name.startswith("i") or (isinstance(node.target, str) and node.target.endswith("_")):
-            raise NoMatch("in place")
-        args = [env[a] if isinstance(a, torch.fx.Node) and a in env else external(a) for a in node.args]
-        kwargs = [(k, external(v)) for k, v in node.kwargs.items()]
-        return self.step(node, node.target, args, kwargs, node.op)
+
+#: token reductions and regroupings, linear in their first operand
+_LINEAR_IN_FIRST = {"sum", "mean", "view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "neg",
+                    "float", "double", "to", "type", "getitem"}  # fmt: skip
+
+
+def _linear_in(node: torch.fx.Node, linear: set[torch.fx.Node]) -> bool:
+    """Whether ``node`` is linear in the values of ``linear`` it reads (phase 4): a token reduction,
+    a regrouping, a dtype cast, a sum, or a product or quotient by something else; not in place."""
+    if _rules.rule_for(node) is None or isinstance(node.target, str) and node.target.endswith("_"):
+        return False
+    name = _rules.op_name(node).strip("_").removeprefix("i")
+    dependent = [a for a in node.args if isinstance(a, torch.fx.Node) and a in linear]
+    first = bool(node.args) and node.args[0] in linear
+    if any(isinstance(v, torch.fx.Node) and v in linear for v in node.kwargs.values()):
+        return False
+    if name in ("to", "type") and any(not isinstance(a, torch.dtype) for a in node.args[1:]):
+        return False
+    if name in _LINEAR_IN_FIRST:
+        return first and len(dependent) == 1
+    if name in ("mul", "rmul"):
+        return len(dependent) == 1
+    if name in ("truediv", "div"):
+        return first and len(dependent) == 1 and node.kwargs.get("rounding_mode") is None
+    return name in ("add", "sub", "radd", "rsub")
 
 
 def match_row_region(
@@ -737,40 +730,23 @@ def _build_region(matcher: RegionMatcher, outputs: list[RegionOutput]) -> RowReg
         steps = tuple(_shard_program_steps(matcher))
         vocab_size = matcher.shard[2]
         shard = (matcher.shard[0], matcher.shard[1], int(matcher.vocab))
+    token_layouts = {(): Layout.TOKENS, (1,): Layout.TOKENS1}
     program = _region.register(RowProgram(
-        steps=steps,
-        outputs=program_outputs,
-        vocab_size=vocab_size,
-        shard=shard,
-        token_layouts=tuple(
-            {(): Layout.TOKENS, (1,): Layout.TOKENS1}.get(t.part, Layout.ROWS) for t in matcher.token_inputs
-        ),
-        num_row_inputs=len(matcher.row_inputs),
-        has_bias=matcher.bias is not None,
-        index_checks=tuple(matcher.index_checks),
-        reduction=reduction_program,
-        form=" -> ".join(steps_text),
+        steps=steps, outputs=program_outputs, vocab_size=vocab_size, shard=shard,
+        token_layouts=tuple(token_layouts.get(t.part, Layout.ROWS) for t in matcher.token_inputs),
+        num_row_inputs=len(matcher.row_inputs), has_bias=matcher.bias is not None,
+        index_checks=tuple(matcher.index_checks), reduction=reduction_program, form=" -> ".join(steps_text),
     ))  # fmt: skip
-    region = RowRegion(
-        projection=matcher.projection,
-        hidden=matcher.hidden,
-        weight=matcher.weight,
-        bias=matcher.bias,
+    nodes, _, sink, reduce_inputs, _ = reduction or ([], None, None, [], None)
+    return RowRegion(
+        projection=matcher.projection, hidden=matcher.hidden, weight=matcher.weight, bias=matcher.bias,
         autocast_dtype=matcher.autocast_dtype,
         nodes=[n for n in (matcher.transpose, matcher.projection) if n is not None] + matcher.nodes,
-        token_inputs=matcher.token_inputs,
-        row_inputs=matcher.row_inputs,
-        outputs=outputs,
-        program=program,
-        steps_text=steps_text,
+        token_inputs=matcher.token_inputs, row_inputs=matcher.row_inputs, outputs=outputs, program=program,
+        reduction_nodes=nodes, sink=sink, reduce_inputs=reduce_inputs, steps_text=steps_text,
+        dropped=matcher.dropped, kept_whole=matcher.kept_whole, slices=matcher.slices,
+        num_tokens=matcher.num_tokens,
     )  # fmt: skip
-    region.dropped = matcher.dropped
-    region.kept_whole = matcher.kept_whole
-    region.slices = matcher.slices
-    region.num_tokens = matcher.num_tokens
-    if reduction is not None:
-        region.reduction_nodes, _, region.sink, region.reduce_inputs, _ = reduction
-    return region
 
 
 # ------------------------------------------------------------------------------ rewrite
@@ -842,18 +818,11 @@ def rewrite_row_region(
         ]
         if region.program.shard is not None:
             from tile_pass.vocab_parallel import run_sharded_region as run_region
+        reduce_nodes = [tokens if n is region.hidden else n for n in region.reduce_inputs]
         call = graph.call_function(
-            run_region,
-            (
-                hidden,
-                weight,
-                bias,
-                token_nodes,
-                row_nodes,
-                [tokens if n is region.hidden else n for n in region.reduce_inputs],
-            ),  # fmt: skip
+            run_region, (hidden, weight, bias, token_nodes, row_nodes, reduce_nodes),
             {"program": region.program.key, "tile_tokens": tile_tokens, "compile_tiles": compile_tiles},
-        )
+        )  # fmt: skip
         offset = 1 if economy else 0
         restored = {}
         for k, out in enumerate(region.outputs):

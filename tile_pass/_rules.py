@@ -153,7 +153,7 @@ _NORMALIZE_SIGNATURE = inspect.Signature.from_callable(
     lambda input, dim=None, _stacklevel=3, dtype=None: None
 )
 _GATHER_SIGNATURE = inspect.Signature.from_callable(lambda input, dim, index, *, sparse_grad=False: None)
-_LOSS_SIGNATURES = {target: inspect.signature(target) for target in (F.cross_entropy, F.nll_loss, F.kl_div)}
+LOSS_SIGNATURES = {target: inspect.signature(target) for target in (F.cross_entropy, F.nll_loss, F.kl_div)}
 
 
 def op_name(node: torch.fx.Node) -> str:
@@ -176,7 +176,7 @@ def is_vocab_dim(dim, ndim: int) -> bool:
 
 
 def loss_options(node: torch.fx.Node) -> dict:
-    options = bind(_LOSS_SIGNATURES[node.target], node)
+    options = bind(LOSS_SIGNATURES[node.target], node)
     if options.get("size_average") is not None or options.get("reduce") is not None:
         raise NoMatch("{} uses the deprecated size_average/reduce arguments; pass reduction=", node)
     return options

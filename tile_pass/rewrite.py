@@ -11,7 +11,6 @@ stops a region, or with why it has no head in this graph.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -29,14 +28,9 @@ from tile_pass._fx import NoMatch, as_linear, describe, val
 from tile_pass._logging import log
 from tile_pass._region import Layout
 from tile_pass._returned_logits import ReturnedLogits
-from tile_pass._rules import bind
+from tile_pass._rules import LOSS_SIGNATURES, bind
 from tile_pass._tiling import auto_tile, choose_tile_tokens, effective_tile, tile_bytes_per_token
 from tile_pass.report import GraphReport, Rewrite, Skip, source_line
-
-_LOSS_SIGNATURES = {
-    F.cross_entropy: inspect.signature(F.cross_entropy),
-    F.nll_loss: inspect.signature(F.nll_loss),
-}
 
 
 @dataclass
@@ -179,7 +173,7 @@ _GRAPH_BREAK = (
 def _why_untiled(loss: torch.fx.Node) -> str:
     """The reason a loss no region took is not tiled: the walk from its input back to the
     LM head names the first op on the way that stops a region (or why there is no head)."""
-    options = bind(_LOSS_SIGNATURES[loss.target], loss)
+    options = bind(LOSS_SIGNATURES[loss.target], loss)
     node = options.get("input")
     path: list[torch.fx.Node] = []
     while True:
@@ -310,10 +304,10 @@ def _reduction_text(region, covered: set) -> str:
     """The eager reduction of the region's one loss call when that loss is all it computes
     (beside returned logits),
     and whether the op forms the loss's gradient in forward (one scalar) or in backward."""
-    calls = [n for n in covered if n.op == "call_function" and n.target in (*_LOSS_SIGNATURES, F.kl_div)]
+    calls = [n for n in covered if n.op == "call_function" and n.target in LOSS_SIGNATURES]
     eager = None
     if len(calls) == 1 and [o.node for o in region.outputs if o.shape.layout is not Layout.ROWS] == calls:
-        options = bind(_LOSS_SIGNATURES.get(calls[0].target, inspect.signature(F.kl_div)), calls[0])
+        options = bind(LOSS_SIGNATURES[calls[0].target], calls[0])
         eager = options["reduction"] if isinstance(options["reduction"], str) else None
     if region.program.reduction is not None:
         scalar = "one scalar loss (its gradient formed in forward)"
