@@ -19,18 +19,11 @@ import torch
 import torch.fx
 
 from tile_pass import _rules
-from tile_pass._rules import RuleKind
 
 #: ops over trailing dimensions whose integer arguments are dimensions
 _DIM_OPS = {"logsumexp", "log_softmax", "softmax", "gather", "sum", "mean", "amax", "amin", "squeeze",
             "unsqueeze"}  # fmt: skip
-_FOLDABLE = (
-    RuleKind.ELEMENTWISE,
-    RuleKind.VOCAB_REDUCTION,
-    RuleKind.NORMALIZE,
-    RuleKind.GATHER,
-    RuleKind.VIEW,
-)
+_FOLDABLE = set(_rules.RuleKind) - {_rules.RuleKind.INPLACE, _rules.RuleKind.GETITEM, _rules.RuleKind.LOSS}
 
 
 def _name(node: torch.fx.Node) -> str:
@@ -58,7 +51,7 @@ def _foldable(node: torch.fx.Node) -> bool:
     if rule is None or rule.kind not in _FOLDABLE:
         return False
     if _name(node).strip("_") not in _DIM_OPS:
-        return rule.kind is RuleKind.ELEMENTWISE
+        return rule.kind is _rules.RuleKind.ELEMENTWISE
     dims = [a for a in node.args[1:] if isinstance(a, int) and not isinstance(a, bool)]
     dims += [v for k, v in node.kwargs.items() if k == "dim"]
     return all(isinstance(d, int) and d < 0 for d in dims)

@@ -9,6 +9,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from tile_pass._region import target_name
 from tile_pass.report import source_line
 
 
@@ -29,17 +30,12 @@ class NoMatch(Exception):
             *(describe(a) if isinstance(a, torch.fx.Node) else a for a in self.format_args)
         )
 
-    def without_subject(self, subject: torch.fx.Node) -> str:
-        """The text without its leading ``subject`` (``has no row-wise rule``), to quote in a
-        sentence about another node."""
-        return str(self).removeprefix(describe(subject)).strip(" ,:")
-
 
 def describe(node: torch.fx.Node) -> str:
     """```name` at file:line (function): code``, how reasons name a node."""
     if node.op == "output":
         return "the graph output"
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    name = target_name(node.target)
     return f"`{'.' + name + '()' if node.op == 'call_method' else name}` at {source_line(node)}"
 
 

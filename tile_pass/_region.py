@@ -40,6 +40,11 @@ class Layout(str, enum.Enum):
     TUPLE = "tuple"
 
 
+def target_name(target) -> str:
+    """An op's name whatever Dynamo recorded: a method's name, a function's ``__name__``."""
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
 def row_part(layout: Layout, vocab_size) -> tuple:
     """The dimensions after the token dimension of a value in ``layout``."""
     return {Layout.ROWS: (vocab_size,), Layout.TOKENS1: (1,), Layout.TOKENS: ()}[Layout(layout)]
@@ -76,12 +81,7 @@ class Step:
     def describe(self) -> str:
         """The step as the report shows it: its name, the numbers it applies (a soft-cap's
         ``div(30.0)``) and a loss's options, never its token operands."""
-        name = (
-            self.target
-            if isinstance(self.target, str)
-            else getattr(self.target, "__name__", str(self.target))
-        )
-        name = _SHOWN_AS.get(name, name)
+        name = _SHOWN_AS.get(target_name(self.target), target_name(self.target))
         if name in _LOSS_NAMES:
             options = dict(self.kwargs)
             shown = [f"ignore_index={options['ignore_index']}"] if "ignore_index" in options else []
@@ -169,7 +169,7 @@ def zero_where(step: Step, zeros_of: dict[int, tuple], per_token: frozenset[int]
     facts (``("is", fact)``, ``("any", parts)``, ``("all", parts)``) or ``None`` (nowhere known),
     from its operands' (``zeros_of``, by value index) and the token inputs of one value per
     token (``per_token``: their indices)."""
-    name = step.target if isinstance(step.target, str) else getattr(step.target, "__name__", "")
+    name = target_name(step.target)
 
     def of(arg):
         return zeros_of.get(arg.index) if isinstance(arg, Ref) and arg.kind is RefKind.VALUE else None
@@ -188,11 +188,9 @@ def zero_where(step: Step, zeros_of: dict[int, tuple], per_token: frozenset[int]
     if name in ("cross_entropy", "nll_loss"):
         kwargs = dict(step.kwargs)
         target = args[1] if len(args) > 1 else kwargs.get("target")
-        return (
-            ("is", ZeroIf(target.index, ZeroKind.EQUALS, kwargs.get("ignore_index", -100)))
-            if token(target)
-            else None
-        )
+        if not token(target):
+            return None
+        return "is", ZeroIf(target.index, ZeroKind.EQUALS, kwargs.get("ignore_index", -100))
     if name in _PRODUCTS and len(args) == 2:
         facts = [("is", ZeroIf(a.index, ZeroKind.ZERO, exact=False)) if token(a) else of(a) for a in args]
         return either(*facts)

@@ -32,9 +32,9 @@ import torch.nn.functional as F
 
 from tile_pass import _region, _rules
 from tile_pass._fx import NoMatch, as_linear, describe, leading_index, numel, same, same_shape, val
-from tile_pass._region import Layout, Output, ReductionProgram, Ref, RefKind, RowProgram, Step
+from tile_pass._region import Layout, Output, ReductionProgram, Ref, RefKind, RowProgram, Step, target_name
 from tile_pass._returned_logits import ReturnedLogits
-from tile_pass._rules import PREVIOUS_STEP, AfterTiles, Classified, Shape, TokenReduction
+from tile_pass._rules import PREVIOUS_STEP, AfterTiles, Classified, RuleKind, Shape, TokenReduction
 from tile_pass.report import source_line
 
 _ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
@@ -235,9 +235,8 @@ def _no_op_redistribute(node: torch.fx.Node) -> bool:
     return placements[0] is not None and placements[0] == placements[1] and meshes[0] == meshes[1]
 
 
-#: the steps over the vocabulary a sharded region must replace by their group-wide form
-_VOCAB_METHODS = frozenset({"sum", "mean", "logsumexp", "amax", "amin", "max", "min", "argmax", "argmin"})
-_VOCAB_FUNCTIONS = (F.log_softmax, F.softmax, torch.gather, F.cross_entropy, F.nll_loss, F.kl_div)
+#: the rules whose steps work over the vocabulary: a sharded region replaces them by their group-wide form
+_OVER_VOCAB = (RuleKind.VOCAB_REDUCTION, RuleKind.NORMALIZE, RuleKind.GATHER, RuleKind.LOSS)
 
 
 def _shard_program_steps(matcher) -> list[Step]:
@@ -258,16 +257,13 @@ def _shard_program_steps(matcher) -> list[Step]:
         raise NoMatch("a [V] operand of the logits is not sharded with the head yet")
     steps = []
     layouts = [shape.layout for shape in matcher.step_shapes]
-    for step, layout in zip(matcher.steps, layouts, strict=True):
+    for step, layout, kind in zip(matcher.steps, layouts, matcher.step_kinds, strict=True):
         source = step.args[0] if step.args else None
         reads_rows = (
             isinstance(source, Ref) and source.kind is RefKind.VALUE
             and (source.index == 0 or layouts[source.index - 1] is Layout.ROWS)
         )  # fmt: skip
-        over_vocab = (step.op == "call_method" and step.target in _VOCAB_METHODS) or (
-            step.op == "call_function" and step.target in _VOCAB_FUNCTIONS
-        )
-        if reads_rows and over_vocab:
+        if reads_rows and kind in _OVER_VOCAB:
             sharded = shard_step(step, group_name, start, int(matcher.vocab))
             if sharded is None:
                 raise NoMatch("{} ({}) has no tensor-parallel form yet", step.describe(), step.source)
@@ -329,6 +325,7 @@ class RegionMatcher:
         }
         self.steps: list[Step] = []
         self.step_shapes: list[Shape] = []  # the shape of each step's value
+        self.step_kinds: list[RuleKind] = []  # the kind of rule that made each step
         self.nodes: list[torch.fx.Node] = []
         self.token_inputs: list[TokenInput] = []
         self.row_inputs: list[RowInput] = []
@@ -511,6 +508,7 @@ class RegionMatcher:
                         step.autocast, step.source)  # fmt: skip
         self.steps.append(step)
         self.step_shapes.append(entry.shape)
+        self.step_kinds.append(_rules.rule_for(node).kind)
         self.values[node] = (index, entry.shape)
         per_token = frozenset(i for i, t in enumerate(self.token_inputs) if t.part in ((), (1,)))
         self.zeros[index] = _region.zero_where(step, self.zeros, per_token)
@@ -553,7 +551,7 @@ class RegionMatcher:
                 if blocking:
                     user = blocking[0]
                     why = self.outside.get(user)
-                    detail = why.without_subject(user) if why is not None else "is not row-wise"
+                    detail = str(why).removeprefix(describe(user)).strip(" ,:") if why else "is not row-wise"
                     raise NoMatch("the logits ({}) are also consumed by {}, which {}; so they must exist "
                                   "whole", node, user, detail, node=user)  # fmt: skip
             value = val(node)
@@ -612,16 +610,10 @@ class RegionMatcher:
                 linear.add(out.node)
         nodes = []
         for node in self.graph.nodes:
-            if (
-                node in env
-                or not any(a in linear for a in node.all_input_nodes)
-                or not _linear_in(node, linear)
-            ):
+            if node in env or not _linear_in(node, linear):
                 continue
             try:
-                args = [
-                    env[a] if isinstance(a, torch.fx.Node) and a in env else external(a) for a in node.args
-                ]
+                args = [external(a) for a in node.args]
                 kwargs = [(k, external(v)) for k, v in node.kwargs.items()]
             except NoMatch:  # it reads the logits otherwise, or a tensor that needs a gradient
                 continue
@@ -648,9 +640,11 @@ _LINEAR_IN_FIRST = {"sum", "mean", "view", "reshape", "flatten", "squeeze", "uns
 def _linear_in(node: torch.fx.Node, linear: set[torch.fx.Node]) -> bool:
     """Whether ``node`` is linear in the values of ``linear`` it reads (phase 4): a token reduction,
     a regrouping, a dtype cast, a sum, or a product or quotient by something else; not in place."""
-    if _rules.rule_for(node) is None or isinstance(node.target, str) and node.target.endswith("_"):
+    if not any(a in linear for a in node.all_input_nodes) or _rules.rule_for(node) is None:
         return False
-    name = _rules.op_name(node).strip("_").removeprefix("i")
+    if isinstance(node.target, str) and node.target.endswith("_"):
+        return False
+    name = target_name(node.target).strip("_").removeprefix("i")
     dependent = [a for a in node.args if isinstance(a, torch.fx.Node) and a in linear]
     first = bool(node.args) and node.args[0] in linear
     if any(isinstance(v, torch.fx.Node) and v in linear for v in node.kwargs.values()):

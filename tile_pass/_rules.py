@@ -19,17 +19,14 @@ import inspect
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
 from tile_pass._fx import NoMatch, numel, same, same_shape, val
-from tile_pass._region import Layout, Ref, RefKind, Step, row_part
-
-if TYPE_CHECKING:  # the rules' caller; typing only, never imported at run time
-    from tile_pass._region_match import RegionMatcher
+from tile_pass._region import Layout, Ref, RefKind, Step, row_part, target_name
 
 
 class RuleKind(enum.Enum):
@@ -105,7 +102,8 @@ class Classified:
 #: an operand of a rule's second step: the value of its first (the walk numbers it)
 PREVIOUS_STEP = Ref(RefKind.VALUE, -1)
 
-ClassifyFn = Callable[["RegionMatcher", torch.fx.Node], list[Classified]]
+#: a rule: (the ``_region_match.RegionMatcher``, the node) -> its steps, or ``NoMatch``
+ClassifyFn = Callable[[Any, torch.fx.Node], list[Classified]]
 
 
 @dataclass(frozen=True)
@@ -156,10 +154,6 @@ _GATHER_SIGNATURE = inspect.Signature.from_callable(lambda input, dim, index, *,
 LOSS_SIGNATURES = {target: inspect.signature(target) for target in (F.cross_entropy, F.nll_loss, F.kl_div)}
 
 
-def op_name(node: torch.fx.Node) -> str:
-    return node.target if isinstance(node.target, str) else node.target.__name__
-
-
 def bind(signature: inspect.Signature, node: torch.fx.Node) -> dict:
     try:
         bound = signature.bind(*node.args, **node.kwargs)
@@ -182,13 +176,13 @@ def loss_options(node: torch.fx.Node) -> dict:
     return options
 
 
-def _rows_operand(m: RegionMatcher, node: torch.fx.Node, source=None) -> tuple[Ref, Shape]:
+def _rows_operand(matcher, node: torch.fx.Node, source=None) -> tuple[Ref, Shape]:
     """The region value an op over rows takes first (``source``, if bound already), and its shape."""
     source = source if source is not None else node.args[0] if node.args else None
-    shape = m.shape_of(source)
+    shape = matcher.shape_of(source)
     if shape is None or shape.layout in (Layout.REDUCED, Layout.TUPLE):
         raise NoMatch("{} does not take the logits as its first operand", node)
-    return m.value_ref(source), shape
+    return matcher.value_ref(source), shape
 
 
 # ------------------------------------------------------------------------------ rules
@@ -220,12 +214,12 @@ _OUT_OF_PLACE = {
 
 
 @register_rule(RuleKind.ELEMENTWISE, *_ELEMENTWISE)
-def _elementwise(m: RegionMatcher, node: torch.fx.Node, target=None) -> list[Classified]:
+def _elementwise(matcher, node: torch.fx.Node, target=None) -> list[Classified]:
     out = val(node)
     if not isinstance(out, torch.Tensor):
         raise NoMatch("{} does not give a tensor", node)
     inputs = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
-    shapes = [m.shape_of(a) for a in inputs if m.shape_of(a) is not None]
+    shapes = [matcher.shape_of(a) for a in inputs if matcher.shape_of(a) is not None]
     layouts = {shape.layout for shape in shapes}
     if Layout.REDUCED in layouts or Layout.TUPLE in layouts or not shapes:
         raise NoMatch("{} reads a value reduced over the tokens", node)
@@ -236,39 +230,39 @@ def _elementwise(m: RegionMatcher, node: torch.fx.Node, target=None) -> list[Cla
     if any(not same_shape(shape.tokens, tokens) for shape in shapes):
         raise NoMatch("{} combines values with different token dimensions", node)
     shape = Shape(layout, tokens)
-    if not same_shape(tuple(out.shape), (*tokens, *row_part(layout, m.vocab))):
+    if not same_shape(tuple(out.shape), (*tokens, *row_part(layout, matcher.vocab))):
         raise NoMatch("{} changes the shape of the logits' rows", node)
-    if out.device.type != m.device_type:
+    if out.device.type != matcher.device_type:
         raise NoMatch("{} moves the logits to another device", node)
-    if op_name(node) in ("to", "type") and any(
+    if target_name(node.target) in ("to", "type") and any(
         isinstance(a, (torch.fx.Node, torch.device, str)) for a in node.args[1:]
     ):
         raise NoMatch("{} casts with a device or a tensor; only a dtype cast is replayed", node)
-    args = [m.operand(a, shape, node) for a in node.args]
-    kwargs = [(k, m.operand(v, shape, node)) for k, v in node.kwargs.items()]
-    return [Classified(m.step(node, target or node.target, args, kwargs, node.op), shape)]
+    args = [matcher.operand(a, shape, node) for a in node.args]
+    kwargs = [(k, matcher.operand(v, shape, node)) for k, v in node.kwargs.items()]
+    return [Classified(matcher.step(node, target or node.target, args, kwargs, node.op), shape)]
 
 
 @register_rule(RuleKind.INPLACE, *_OUT_OF_PLACE)
-def _inplace(m: RegionMatcher, node: torch.fx.Node) -> list[Classified]:
+def _inplace(matcher, node: torch.fx.Node) -> list[Classified]:
     mutated = node.args[0]
-    if not isinstance(mutated, torch.fx.Node) or m.shape_of(mutated) is None:
+    if not isinstance(mutated, torch.fx.Node) or matcher.shape_of(mutated) is None:
         raise NoMatch("{} writes into a tensor from outside the region", node)
     if len(mutated.users) != 1:
         raise NoMatch("{} changes the logits in place while other code also reads them", node)
-    return _elementwise(m, node, _OUT_OF_PLACE[node.target])
+    return _elementwise(matcher, node, _OUT_OF_PLACE[node.target])
 
 
 @register_rule(RuleKind.VIEW, "view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze",
                torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze)  # fmt: skip
-def _view(m: RegionMatcher, node: torch.fx.Node) -> list[Classified]:
-    source, shape = _rows_operand(m, node)
-    if op_name(node) == "contiguous":
-        return [Classified(m.step(node, "contiguous", (source,), op="call_method"), shape)]
+def _view(matcher, node: torch.fx.Node) -> list[Classified]:
+    source, shape = _rows_operand(matcher, node)
+    if target_name(node.target) == "contiguous":
+        return [Classified(matcher.step(node, "contiguous", (source,), op="call_method"), shape)]
     sizes = tuple(val(node).shape)
     count = numel(shape.tokens)
     if shape.layout is Layout.ROWS:
-        if not (sizes and same(sizes[-1], m.vocab) and same(numel(sizes[:-1]), count)):
+        if not (sizes and same(sizes[-1], matcher.vocab) and same(numel(sizes[:-1]), count)):
             raise NoMatch("{} reshapes across the vocabulary dimension", node)
         new = Shape(Layout.ROWS, sizes[:-1])
     elif sizes and same(sizes[-1], 1) and same(numel(sizes[:-1]), count) and len(sizes) > 1:
@@ -277,16 +271,16 @@ def _view(m: RegionMatcher, node: torch.fx.Node) -> list[Classified]:
         new = Shape(Layout.TOKENS, sizes)
     else:
         raise NoMatch("{} reshapes across the tokens", node)
-    m.flat_tokens(new.tokens)
-    args = (source, -1, *row_part(new.layout, m.vocab))
-    return [Classified(m.step(node, "reshape", args, op="call_method"), new)]
+    matcher.flat_tokens(new.tokens)
+    args = (source, -1, *row_part(new.layout, matcher.vocab))
+    return [Classified(matcher.step(node, "reshape", args, op="call_method"), new)]
 
 
 @register_rule(RuleKind.VOCAB_REDUCTION, *_REDUCTION_SIGNATURES,
                *(getattr(torch, name) for name in _REDUCTION_SIGNATURES))  # fmt: skip
-def _vocab_reduction(m: RegionMatcher, node: torch.fx.Node) -> list[Classified]:
-    source, shape = _rows_operand(m, node)
-    name = op_name(node)
+def _vocab_reduction(matcher, node: torch.fx.Node) -> list[Classified]:
+    source, shape = _rows_operand(matcher, node)
+    name = target_name(node.target)
     options = bind(_REDUCTION_SIGNATURES[name], node)
     dim = options["dim"]
     if shape.layout is not Layout.ROWS:
@@ -296,41 +290,34 @@ def _vocab_reduction(m: RegionMatcher, node: torch.fx.Node) -> list[Classified]:
             raise NoMatch("{} reduces over the tokens and the vocabulary at once", node)
         if val(node.args[0]).dtype not in (torch.float32, torch.float64):
             raise NoMatch("{} sums half-precision logits over all tokens", node)
-        step = m.step(node, "sum", (source, -1), op="call_method")
-        after = (
-            AfterTiles(TokenReduction.SUM)
-            if name == "sum"
-            else AfterTiles(TokenReduction.DIV_ELEMENTS, (m.vocab,))
-        )
+        step = matcher.step(node, "sum", (source, -1), op="call_method")
+        how = TokenReduction.SUM if name == "sum" else TokenReduction.DIV_ELEMENTS
+        after = AfterTiles(how, () if name == "sum" else (matcher.vocab,))
         return [Classified(step, Shape(Layout.TOKENS, shape.tokens), after_tiles=after)]
     if not is_vocab_dim(dim, len(shape.tokens) + 1):
         raise NoMatch("{} reduces over the token dimensions", node)
     keepdim = bool(options["keepdim"])
     kwargs = (("dtype", options["dtype"]),) if options.get("dtype") is not None else ()
-    inner = Layout.TOKENS1 if keepdim else Layout.TOKENS
-    result = (
-        Shape(Layout.TUPLE, shape.tokens, item=inner)
-        if name in ("max", "min")
-        else Shape(inner, shape.tokens)
-    )
-    return [Classified(m.step(node, name, (source, -1, keepdim), kwargs, op="call_method"), result)]
+    item = Layout.TOKENS1 if keepdim else Layout.TOKENS
+    result = Shape(Layout.TUPLE, shape.tokens, item) if name in ("max", "min") else Shape(item, shape.tokens)
+    return [Classified(matcher.step(node, name, (source, -1, keepdim), kwargs, op="call_method"), result)]
 
 
 @register_rule(RuleKind.NORMALIZE, "softmax", "log_softmax", F.softmax, F.log_softmax, torch.softmax,
                torch.log_softmax)  # fmt: skip
-def _normalize(m: RegionMatcher, node: torch.fx.Node) -> list[Classified]:
-    source, shape = _rows_operand(m, node)
+def _normalize(matcher, node: torch.fx.Node) -> list[Classified]:
+    source, shape = _rows_operand(matcher, node)
     options = bind(_NORMALIZE_SIGNATURE, node)
     if shape.layout is not Layout.ROWS or not is_vocab_dim(options["dim"], val(node).dim()):
         raise NoMatch("{} is not taken over the vocabulary dimension", node)
     kwargs = (("dtype", options["dtype"]),) if options["dtype"] is not None else ()
-    target = F.log_softmax if "log" in op_name(node) else F.softmax
-    return [Classified(m.step(node, target, (source, -1), kwargs), shape)]
+    target = F.log_softmax if "log" in target_name(node.target) else F.softmax
+    return [Classified(matcher.step(node, target, (source, -1), kwargs), shape)]
 
 
 @register_rule(RuleKind.GATHER, "gather", torch.gather)
-def _gather(m: RegionMatcher, node: torch.fx.Node) -> list[Classified]:
-    source, shape = _rows_operand(m, node)
+def _gather(matcher, node: torch.fx.Node) -> list[Classified]:
+    source, shape = _rows_operand(matcher, node)
     options = bind(_GATHER_SIGNATURE, node)
     ndim = len(shape.tokens) + 1
     if shape.layout is not Layout.ROWS or not is_vocab_dim(options["dim"], ndim):
@@ -338,37 +325,39 @@ def _gather(m: RegionMatcher, node: torch.fx.Node) -> list[Classified]:
     result = Shape(Layout.TOKENS1, shape.tokens)
     if not same_shape(tuple(val(node).shape), (*shape.tokens, 1)):
         raise NoMatch("{} gathers more than one id per token", node)
-    index = m.operand(options["index"], result, node)
+    index = matcher.operand(options["index"], result, node)
     if index.kind is RefKind.TOKEN:
-        bounds = f"index {{}} is out of bounds for dimension {options['dim'] % ndim} with size {m.vocab}"
-        m.index_checks.append((index.index, bounds, None))
-    return [Classified(m.step(node, torch.gather, (source, -1, index)), result)]
+        bounds = (
+            f"index {{}} is out of bounds for dimension {options['dim'] % ndim} with size {matcher.vocab}"
+        )
+        matcher.index_checks.append((index.index, bounds, None))
+    return [Classified(matcher.step(node, torch.gather, (source, -1, index)), result)]
 
 
 @register_rule(RuleKind.GETITEM, operator.getitem)
-def _getitem(m: RegionMatcher, node: torch.fx.Node) -> list[Classified]:
-    shape = m.shape_of(node.args[0])
+def _getitem(matcher, node: torch.fx.Node) -> list[Classified]:
+    shape = matcher.shape_of(node.args[0])
     if shape is None:
         raise NoMatch("{} does not take the logits as its first operand", node)
     if shape.layout is not Layout.TUPLE or not isinstance(node.args[1], int):
         raise NoMatch(
             "{} slices the logits' token rows; that is not tiled in a multi-output region yet", node
         )
-    step = m.step(node, operator.getitem, (m.value_ref(node.args[0]), node.args[1]))
+    step = matcher.step(node, operator.getitem, (matcher.value_ref(node.args[0]), node.args[1]))
     return [Classified(step, Shape(shape.item, shape.tokens))]
 
 
 @register_rule(RuleKind.LOSS, F.cross_entropy, F.nll_loss, F.kl_div)
-def _loss(m: RegionMatcher, node: torch.fx.Node) -> list[Classified]:
+def _loss(matcher, node: torch.fx.Node) -> list[Classified]:
     options = loss_options(node)
-    source, shape = _rows_operand(m, node, options["input"])
+    source, shape = _rows_operand(matcher, node, options["input"])
     reduction = options["reduction"]
     if not isinstance(reduction, str) or reduction not in ("none", "sum", "mean", "batchmean"):
         raise NoMatch("{} has reduction={!r}", node, reduction)
     if shape.layout is not Layout.ROWS:
         raise NoMatch("{} does not take [tokens, V] logits", node)
     if node.target is F.kl_div:
-        return _kl_div(m, node, options, source, shape)
+        return _kl_div(matcher, node, options, source, shape)
     if reduction == "batchmean":
         raise NoMatch("{} has reduction='batchmean'", node)
     if len(shape.tokens) != 1:
@@ -379,14 +368,14 @@ def _loss(m: RegionMatcher, node: torch.fx.Node) -> list[Classified]:
             raise NoMatch("{} has a {} that is not a compile-time constant ({!r})", node, name, value)
     target_node = options["target"]
     target_val = val(target_node)
-    if target_val is None or m.shape_of(target_node) is not None:
+    if target_val is None or matcher.shape_of(target_node) is not None:
         raise NoMatch("{} takes a target computed from the logits", node)
     soft = target_val.is_floating_point()
     if soft and node.target is F.nll_loss:
         raise NoMatch("nll_loss takes class indices, not class probabilities", node=node)
     if not soft and target_val.dtype != torch.int64:
         raise NoMatch("{} has a {} target; eager expects int64", node, target_val.dtype)
-    target = m.operand(target_node, Shape(Layout.ROWS if soft else Layout.TOKENS, shape.tokens), node)
+    target = matcher.operand(target_node, Shape(Layout.ROWS if soft else Layout.TOKENS, shape.tokens), node)
     weight = options.get("weight")
     kwargs = [("ignore_index", options["ignore_index"]), ("reduction", "none")]
     if node.target is F.cross_entropy:
@@ -395,12 +384,12 @@ def _loss(m: RegionMatcher, node: torch.fx.Node) -> list[Classified]:
             raise NoMatch("label_smoothing is outside [0, 1]; eager raises for it", node=node)
     if weight is not None:
         weight_val = val(weight)
-        if weight_val is None or weight_val.dim() != 1 or not same(weight_val.shape[0], m.vocab):
+        if weight_val is None or weight_val.dim() != 1 or not same(weight_val.shape[0], matcher.vocab):
             raise NoMatch("{} has class weights that are not a [V] tensor", node)
-        kwargs.append(("weight", m.operand(weight, shape, node)))
-    step = m.step(node, node.target, (source, target), kwargs)
+        kwargs.append(("weight", matcher.operand(weight, shape, node)))
+    step = matcher.step(node, node.target, (source, target), kwargs)
     if not soft and target.kind is RefKind.TOKEN:
-        m.index_checks.append((target.index, "Target {} is out of bounds.", options["ignore_index"]))
+        matcher.index_checks.append((target.index, "Target {} is out of bounds.", options["ignore_index"]))
     after = None
     if reduction == "sum":
         after = AfterTiles(TokenReduction.SUM)
@@ -411,25 +400,22 @@ def _loss(m: RegionMatcher, node: torch.fx.Node) -> list[Classified]:
     return [Classified(step, Shape(Layout.TOKENS, shape.tokens), after_tiles=after)]
 
 
-def _kl_div(m: RegionMatcher, node, options: dict, source: Ref, shape: Shape) -> list[Classified]:
-    target_shape = m.shape_of(options["target"])
+def _kl_div(matcher, node, options: dict, source: Ref, shape: Shape) -> list[Classified]:
+    target_shape = matcher.shape_of(options["target"])
     if target_shape is not None and target_shape.layout is not Layout.ROWS:
         raise NoMatch("{} compares the logits with a value that is not [tokens, V]", node)
-    target = m.operand(options["target"], shape, node)
+    target = matcher.operand(options["target"], shape, node)
     log_target = options["log_target"]
     if not isinstance(log_target, bool):
         raise NoMatch("{} has a log_target that is not a constant", node)
-    step = m.step(node, F.kl_div, (source, target), (("reduction", "none"), ("log_target", log_target)))
+    step = matcher.step(node, F.kl_div, (source, target), (("reduction", "none"), ("log_target", log_target)))
     reduction = options["reduction"]
     if reduction == "none":
         return [Classified(step, shape)]
     after = {
         "sum": AfterTiles(TokenReduction.SUM),
-        "mean": AfterTiles(TokenReduction.DIV_ELEMENTS, (m.vocab,)),
+        "mean": AfterTiles(TokenReduction.DIV_ELEMENTS, (matcher.vocab,)),
         "batchmean": AfterTiles(TokenReduction.DIV_FIRST_DIM),
     }[reduction]
-    row_sum = m.step(node, "sum", (PREVIOUS_STEP, -1), op="call_method")
-    return [
-        Classified(step, shape),
-        Classified(row_sum, Shape(Layout.TOKENS, shape.tokens), after_tiles=after),
-    ]
+    row_sum = matcher.step(node, "sum", (PREVIOUS_STEP, -1), op="call_method")
+    return [Classified(step, shape), Classified(row_sum, Shape(Layout.TOKENS, shape.tokens), after)]
