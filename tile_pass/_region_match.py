@@ -5,19 +5,21 @@ as many outputs as the user's code takes from it. The matcher runs in phases:
 
 1. **the projection** (:func:`tile_pass._fx.as_linear`): ``F.linear``/``x @ W.T`` with a 2-D
    weight, its autocast dtype;
-2. **the row-wise subgraph**: every node that depends on the logits is classified, in graph
-   order, by the rules table (:mod:`tile_pass._rules`); a node joins the region when a rule
-   proves it row-wise and every logits-dependent operand is already in the region;
-3. **the outputs**: region values read outside it. Per-token values (losses, log-probs,
-   log-sum-exps, ``argmax``) leave the tiles flat; a token reduction folded into an op
-   (a mean cross entropy) is finished after them; rows (``[N, V]``) may only be returned,
-   and are written tile by tile, with a gradient path replayed if the caller uses it;
-4. **the scalar loss**: when the differentiable outputs reach exactly one scalar through
-   token reductions linear in them, those nodes join the op, which then forms the whole
-   gradient in forward (:mod:`tile_pass.tiled_region`);
-5. **the rewrite**: one call to :func:`tile_pass.tiled_region.run_region`.
+2. **the row-wise subgraph** (:meth:`RegionMatcher.walk`): every node that depends on the logits
+   is classified, in graph order, by the rule registered for its op (:mod:`tile_pass._rules`); a
+   node joins the region when its rule proves it row-wise and every logits-dependent operand is
+   already in the region;
+3. **the outputs** (:meth:`RegionMatcher.collect_outputs`): region values read outside it.
+   Per-token values (losses, log-probs, log-sum-exps, ``argmax``) leave the tiles flat; a token
+   reduction folded into an op (a mean cross entropy) is finished after them; rows (``[N, V]``)
+   may only be returned, and are written tile by tile, with a gradient path replayed if the
+   caller uses it;
+4. **the scalar loss** (:meth:`RegionMatcher.scalar_loss`): when the differentiable outputs
+   reach exactly one scalar through token reductions linear in them, those nodes join the op,
+   which then forms the whole gradient in forward (:mod:`tile_pass.tiled_region`);
+5. **the rewrite** (:func:`rewrite_row_region`): one call to :func:`tile_pass.tiled_region.run_region`.
 
-Anything unproven raises :class:`~tile_pass._rules.NoMatch` with the op and the line that
+Anything unproven raises :class:`~tile_pass._fx.NoMatch` with the op and the line that
 stopped the region, and the graph is left as it was.
 """
 
@@ -312,9 +314,7 @@ class RegionMatcher:
         self.ambient = _ambient_autocast(self.device_type)
         self.hidden_tokens = tuple(hidden_val.shape[:-1])
         self.num_tokens = numel(self.hidden_tokens)
-        dtypes = {hidden_val.dtype, weight_val.dtype} | (
-            {val(self.bias).dtype} if self.bias is not None else set()
-        )
+        dtypes = {v.dtype for v in (hidden_val, weight_val, val(self.bias)) if v is not None}
         self.autocast_dtype = None
         if dtypes != {out_val.dtype}:
             if out_val.dtype not in (torch.bfloat16, torch.float16):
@@ -473,14 +473,11 @@ class RegionMatcher:
                     sign = node.target in _HEAD_SIGNS
                 except TypeError:  # an unhashable target
                     sign = False
-                read = val(
-                    node.args[0] if node.args else node.kwargs.get("input")
-                )  # over this head's vocabulary
+                read = val(node.args[0] if node.args else node.kwargs.get("input"))  # over this vocabulary
                 self.head_signs |= sign and read is not None and same(read.shape[-1], self.vocab)
             if any(a in self.depends and a not in self.values for a in node.all_input_nodes):
-                self.outside[node] = NoMatch(
-                    "{} reads a value computed from the logits outside the region", node
-                )
+                why = NoMatch("{} reads a value computed from the logits outside the region", node)
+                self.outside[node] = why
                 continue
             if self.shard is not None and _no_op_redistribute(node):
                 self.values[node] = self.values[node.args[0]]  # ColwiseParallel's output hook
@@ -689,7 +686,9 @@ def first_stop(
         matcher = RegionMatcher(graph, projection, as_linear(projection), _autocast_states(graph), False)
         matcher.walk()
         stopped = next((matcher.outside[r] for r in readers if r in matcher.outside), None)
-        return stopped or (matcher.collect_outputs() and None)
+        if stopped is None:
+            matcher.collect_outputs()  # raises the region's own reason, if it has one
+        return stopped
     except NoMatch as why:
         return why
 
