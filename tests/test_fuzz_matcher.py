@@ -2,7 +2,8 @@
 
 Each example composes a function from drawn choices: the projection form, elementwise ops,
 casts and views between projection and loss (always one flatten to ``[N, V]``), a random
-extra use of the logits (returned, max, summed into the loss, logged detached), and the
+extra use of the logits (returned, max, summed into the loss, logged detached, or read by an op
+without a row-wise rule, which the pass must decline), and the
 ``cross_entropy`` call in a random argument form (positional, keyword, the 8-positional form
 of ``nn.CrossEntropyLoss``, or the module itself) with random ``ignore_index``, ``reduction``
 and ``label_smoothing``, then a random reduction of a per-token loss. The invariant, whether
@@ -36,7 +37,7 @@ PROJECTIONS = [
 ]  # fmt: skip
 BETWEEN = ["scale", "tanh_softcap", "add_bias", "div_temperature", "float", "to_float32", "contiguous"]
 FLATTENS = ["view", "reshape", "flatten", "torch.flatten"]
-EXTRA_USES = ["none", "none", "return", "max", "sum_into_loss", "detached_log"]
+EXTRA_USES = ["none", "none", "return", "max", "sum_into_loss", "detached_log", "no_rule"]
 CALL_FORMS = ["positional", "positional_kw", "keyword", "eight_positional", "module"]
 AFTER_NONE = ["sum", "mean", "weighted_sum"]
 
@@ -191,6 +192,8 @@ def build(p: Program):
                 outputs.append(logits.max(-1).values.sum())
             elif p.extra_use == "sum_into_loss":
                 outputs[0] = outputs[0] + 0.01 * logits.sum()
+            elif p.extra_use == "no_rule":  # cumsum has no row-wise rule: the region stops there
+                outputs.append(logits.cumsum(-1).mean())
             else:  # logged: no gradient flows through it
                 outputs.append(logits.detach().abs().mean())
         return tuple(outputs)

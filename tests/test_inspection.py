@@ -295,3 +295,74 @@ def test_cli_bad_spec_says_what_is_expected():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0 and "unknown dtype" in proc.stderr
+
+
+# ------------------------------------------------ reasons everywhere: a head never gets a generic one
+
+
+def _explain_head(fn, *args):
+    report = tile_pass.explain(fn, *args)
+    assert "no linear + cross_entropy candidate" not in str(report), str(report)
+    assert all("no row-wise region of it was found" not in s.reason for s in report.skipped), str(report)
+    return report
+
+
+def _head_inputs(vocab=V, tokens=8):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, models.H, generator=g, requires_grad=True)
+    w = torch.randn(vocab, models.H, generator=g, requires_grad=True)
+    return h, w, torch.randint(0, vocab - 1, (tokens,), generator=g)
+
+
+def test_a_loss_taking_the_logits_by_keyword_is_tiled():
+    """``F.cross_entropy(input=logits, target=...)``: the keyword input is the head's sign too."""
+
+    def loss(h, w, y):
+        return F.cross_entropy(input=F.linear(h, w), target=y)
+
+    report = _explain_head(loss, *_head_inputs())
+    assert len(report.rewrites) == 1 and not report.skipped, str(report)
+
+
+def test_a_vocabulary_slice_is_named_with_its_line():
+    """Every reader on the way to the loss has a rule, but one declines: its own reason, not "no
+    row-wise region of it was found"."""
+
+    def loss(h, w, y):
+        logits = F.linear(h, w)
+        return F.cross_entropy(logits[:, :-1], y)
+
+    report = _explain_head(loss, *_head_inputs())
+    assert not report.rewrites and len(report.skipped) == 1, str(report)
+    reason = report.skipped[0].reason
+    assert "`getitem` at test_inspection.py:" in reason and "other than token rows" in reason, reason
+
+
+def test_rows_only_returned_are_named():
+    """A head whose only reader gives [tokens, V] rows the graph returns: that reader is named."""
+
+    def log_probs(h, w):
+        return F.linear(h, w).log_softmax(-1)
+
+    report = _explain_head(log_probs, *_head_inputs()[:2])
+    assert not report.rewrites and len(report.skipped) == 1, str(report)
+    reason = report.skipped[0].reason
+    assert "`.log_softmax()` at test_inspection.py:" in reason and "returns whole" in reason, reason
+
+
+def test_a_rewrite_that_declines_reports_the_loss_once():
+    """A reason found while rewriting (an operand computed after the first reader, with no rule to
+    move it) holds the loss: one skip at the loss's line, no second generic one."""
+
+    def loss(h, w, y):
+        logits = F.linear(h, w)
+        lse = torch.sort(logits.logsumexp(-1)).values  # read outside the region, early
+        labels = y.clone()
+        return F.cross_entropy(logits, labels), lse
+
+    report = _explain_head(loss, *_head_inputs())
+    assert not report.rewrites and len(report.skipped) == 1, str(report)
+    skip = report.skipped[0]
+    assert "F.cross_entropy(logits, labels)" in skip.loss_source, str(report)
+    assert "`.clone()` at test_inspection.py:" in skip.reason, skip.reason
+    assert "cannot be moved" in skip.reason, skip.reason

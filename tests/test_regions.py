@@ -357,3 +357,42 @@ def test_two_heads_in_one_graph_and_dynamic_lengths():
         for grad, ref_grad in zip(grads, ref_grads, strict=True):
             assert_close_to_oracle(grad, ref_grad, torch.float32, "grad")
     assert sum(len(g.rewrites) for g in backend.report().graphs) >= 2  # both heads, in each graph
+
+
+# ---------------------------------------------------------------- the IR and the rules table
+
+
+def test_no_match_formats_lazily_and_names_its_node():
+    import torch.fx
+
+    from tile_pass._fx import NoMatch, describe
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    node = graph.call_method("cumsum", (x, -1))
+    why = NoMatch("{} has no row-wise rule ({!r})", node, "cumsum")
+    assert why.node is node and why.format_string == "{} has no row-wise rule ({!r})"
+    assert why.format_args == (node, "cumsum")
+    assert str(why) == f"{describe(node)} has no row-wise rule ('cumsum')"
+    assert NoMatch("plain", node=x).node is x and NoMatch("plain").node is None
+
+
+def test_enums_have_a_process_independent_canonical_form():
+    from tile_pass import _region
+    from tile_pass._region import Layout, Ref, RefKind, ZeroIf, ZeroKind
+
+    assert _region._canonical(Layout.ROWS) == "Layout.ROWS" and Layout.ROWS == "rows"
+    assert _region._canonical(Ref(RefKind.TOKEN, 2)) == "Ref(RefKind.TOKEN,2)"
+    assert _region._canonical(ZeroIf(1, ZeroKind.EQUALS, -100)) == "ZeroIf(1,ZeroKind.EQUALS,-100,True)"
+    assert _region.row_part("tokens1", 7) == _region.row_part(Layout.TOKENS1, 7) == (1,)
+
+
+def test_every_rule_is_registered_once_per_target():
+    from tile_pass import _rules
+    from tile_pass._rules import RuleKind
+
+    assert _rules.RULES[torch.gather].kind is RuleKind.GATHER
+    assert _rules.RULES["mul_"].kind is RuleKind.INPLACE and _rules.RULES[F.kl_div].kind is RuleKind.LOSS
+    with pytest.raises(ValueError, match="already has"):
+        _rules.register_rule(RuleKind.VIEW, torch.gather)(lambda matcher, node: [])
+    assert _rules.RULES[torch.gather].kind is RuleKind.GATHER

@@ -23,6 +23,7 @@ from tile_pass import _rules
 #: ops over trailing dimensions whose integer arguments are dimensions
 _DIM_OPS = {"logsumexp", "log_softmax", "softmax", "gather", "sum", "mean", "amax", "amin", "squeeze",
             "unsqueeze"}  # fmt: skip
+_FOLDABLE = set(_rules.RuleKind) - {_rules.RuleKind.INPLACE, _rules.RuleKind.GETITEM, _rules.RuleKind.LOSS}
 
 
 def _name(node: torch.fx.Node) -> str:
@@ -46,12 +47,11 @@ def _row_of(node, batch: int):
 
 
 def _foldable(node: torch.fx.Node) -> bool:
-    if node.op not in ("call_function", "call_method") or _rules.rule_for(node) is None:
-        return False
-    if _rules.rule_for(node).kind not in ("elementwise", "vocab_reduction", "normalize", "gather", "view"):
+    rule = _rules.rule_for(node)
+    if rule is None or rule.kind not in _FOLDABLE:
         return False
     if _name(node).strip("_") not in _DIM_OPS:
-        return _rules.rule_for(node).kind == "elementwise"
+        return rule.kind is _rules.RuleKind.ELEMENTWISE
     dims = [a for a in node.args[1:] if isinstance(a, int) and not isinstance(a, bool)]
     dims += [v for k, v in node.kwargs.items() if k == "dim"]
     return all(isinstance(d, int) and d < 0 for d in dims)

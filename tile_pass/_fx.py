@@ -1,4 +1,4 @@
-"""Facts about Dynamo graph nodes that every phase of the matcher reads."""
+"""Facts about Dynamo graph nodes that every phase of the matcher reads, and how it says no."""
 
 from __future__ import annotations
 
@@ -9,7 +9,35 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from tile_pass._rules import NoMatch
+from tile_pass._region import target_name
+from tile_pass.report import source_line
+
+
+class NoMatch(Exception):
+    """Why a candidate cannot be rewritten exactly, in plain language. As Inductor's ``FailedMatch``,
+    the text is formatted when read (each fx node in ``format_args`` shown by :func:`describe`);
+    ``node`` is the node that stopped the region (by default the first one the text names),
+    ``depends`` the nodes computed from the logits, whose own reports this one replaces."""
+
+    def __init__(self, format_string: str, *format_args, node: torch.fx.Node | None = None):
+        super().__init__(format_string, *format_args)
+        self.format_string, self.format_args = format_string, format_args
+        self.node = node or next((a for a in format_args if isinstance(a, torch.fx.Node)), None)
+        self.depends: set[torch.fx.Node] = set()
+
+    def __str__(self) -> str:
+        return self.format_string.format(
+            *(describe(a) if isinstance(a, torch.fx.Node) else a for a in self.format_args)
+        )
+
+
+def describe(node: torch.fx.Node) -> str:
+    """```name` at file:line (function): code``, how reasons name a node."""
+    if node.op == "output":
+        return "the graph output"
+    name = target_name(node.target)
+    return f"`{'.' + name + '()' if node.op == 'call_method' else name}` at {source_line(node)}"
+
 
 _LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 _MATMUL_FUNCTIONS = {operator.matmul, torch.matmul, torch.mm}
@@ -27,6 +55,18 @@ def same(a, b) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
     return statically_known_true(a == b)
+
+
+def same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+
+
+def numel(shape) -> object:
+    """The product of ``shape``'s sizes, symbolic where they are."""
+    total = 1
+    for size in shape:
+        total = total * size
+    return total
 
 
 def transposed_weight(node) -> torch.fx.Node | None:

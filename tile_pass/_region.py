@@ -17,6 +17,8 @@ only one that builds, encodes or interprets programs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import hashlib
 import threading
 from dataclasses import dataclass, field
@@ -25,23 +27,42 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-#: a per-token value's layout in a tile: ``rows`` is [tile, V], ``tokens1`` [tile, 1], ``tokens`` [tile]
-LAYOUTS = ("rows", "tokens1", "tokens")
+
+class Layout(str, enum.Enum):
+    """A per-token value's layout in a tile (a ``str`` enum: code that names one by its text works).
+    Programs hold the first three; the matcher also marks values reduced over the tokens and
+    ``max(dim)``'s (values, indices) pairs."""
+
+    ROWS = "rows"  # [tile, V]
+    TOKENS1 = "tokens1"  # [tile, 1]
+    TOKENS = "tokens"  # [tile]
+    REDUCED = "reduced"
+    TUPLE = "tuple"
 
 
-def row_part(layout: str, vocab_size) -> tuple:
+def target_name(target) -> str:
+    """An op's name whatever Dynamo recorded: a method's name, a function's ``__name__``."""
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+def row_part(layout: Layout, vocab_size) -> tuple:
     """The dimensions after the token dimension of a value in ``layout``."""
-    return {"rows": (vocab_size,), "tokens1": (1,), "tokens": ()}[layout]
+    return {Layout.ROWS: (vocab_size,), Layout.TOKENS1: (1,), Layout.TOKENS: ()}[Layout(layout)]
+
+
+class RefKind(enum.Enum):
+    """``VALUE``: the output of step ``index - 1`` (0 is the projection); ``TOKEN``: a per-token
+    input, sliced per tile; ``ROW``: an input every row shares (0-d or ``[V]``); in a reduction
+    program, ``OUTPUT``: a region output, ``REDUCE``: one of its own inputs."""
+
+    VALUE, TOKEN, ROW, OUTPUT, REDUCE = range(5)
 
 
 @dataclass(frozen=True)
 class Ref:
-    """An operand of a step: ``kind`` is ``"value"`` (the output of step ``index - 1``;
-    0 is the projection), ``"token"`` (a per-token input, sliced per tile), ``"row"`` (an
-    input every row shares: a 0-d or ``[V]`` tensor), ``"output"`` or ``"reduce"`` (in a
-    reduction program: a region output, or one of its own inputs)."""
+    """An operand of a step: the ``index``-th of its ``kind``."""
 
-    kind: str
+    kind: RefKind
     index: int
 
 
@@ -60,12 +81,7 @@ class Step:
     def describe(self) -> str:
         """The step as the report shows it: its name, the numbers it applies (a soft-cap's
         ``div(30.0)``) and a loss's options, never its token operands."""
-        name = (
-            self.target
-            if isinstance(self.target, str)
-            else getattr(self.target, "__name__", str(self.target))
-        )
-        name = _SHOWN_AS.get(name, name)
+        name = _SHOWN_AS.get(target_name(self.target), target_name(self.target))
         if name in _LOSS_NAMES:
             options = dict(self.kwargs)
             shown = [f"ignore_index={options['ignore_index']}"] if "ignore_index" in options else []
@@ -73,7 +89,7 @@ class Step:
                 shown.append(f"label_smoothing={options['label_smoothing']}")
             if "weight" in options:
                 shown.append("class weights")
-            if name != "kl_div" and isinstance(self.args[1], Ref) and self.args[1].kind == "row":
+            if name != "kl_div" and isinstance(self.args[1], Ref) and self.args[1].kind is RefKind.ROW:
                 shown.append("class probabilities")
             return f"{name}({', '.join(shown)})"
         numbers = [repr(a) for a in self.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
@@ -102,7 +118,7 @@ class Output:
     """A value of the program that leaves the tile loop."""
 
     value: int  # index of the value (0: the projection)
-    layout: str  # one of LAYOUTS
+    layout: Layout  # ROWS, TOKENS1 or TOKENS
     dtype: torch.dtype
     differentiable: bool
     #: where the value is zero whatever the logits (see :func:`zero_where`): a token there
@@ -112,26 +128,32 @@ class Output:
     only_loss: bool = False
 
 
+class ZeroKind(enum.Enum):
+    """What a per-token input is at a token where it makes a value zero: ``EQUALS`` a value (a cross
+    entropy's ``ignore_index``), ``ZERO`` (a multiplying mask), ``FALSE`` (``where(mask, x, 0)``)
+    or ``TRUE`` (``masked_fill(mask, 0)``)."""
+
+    EQUALS, ZERO, FALSE, TRUE = range(4)
+
+
 @dataclass(frozen=True)
 class ZeroIf:
-    """A value is zero at a token where per-token input ``token`` is ``== value`` (``kind``
-    ``"equals"``: a cross entropy's ``ignore_index``), zero (``"zero"``: a multiplying mask),
-    false (``"false"``: ``where(mask, x, 0)``) or true (``"true"``: ``masked_fill(mask, 0)``).
+    """A value is zero at a token where per-token input ``token`` is as ``kind`` says.
     ``exact``: zero even where the logits are not finite (a product with a zero mask is not)."""
 
     token: int
-    kind: str
+    kind: ZeroKind
     value: object = None
     exact: bool = True
 
     def holds(self, token_input: torch.Tensor) -> torch.Tensor:
         """Where it holds, one flag per token."""
         t = token_input.reshape(token_input.shape[0], -1)[:, 0]
-        if self.kind == "equals":
+        if self.kind is ZeroKind.EQUALS:
             return t == self.value
-        if self.kind == "zero":
+        if self.kind is ZeroKind.ZERO:
             return t == 0
-        return ~t.bool() if self.kind == "false" else t.bool()
+        return ~t.bool() if self.kind is ZeroKind.FALSE else t.bool()
 
 
 #: ops whose result is zero where their (first) operand is: ``f(0) == 0``
@@ -147,16 +169,16 @@ def zero_where(step: Step, zeros_of: dict[int, tuple], per_token: frozenset[int]
     facts (``("is", fact)``, ``("any", parts)``, ``("all", parts)``) or ``None`` (nowhere known),
     from its operands' (``zeros_of``, by value index) and the token inputs of one value per
     token (``per_token``: their indices)."""
-    name = step.target if isinstance(step.target, str) else getattr(step.target, "__name__", "")
+    name = target_name(step.target)
 
     def of(arg):
-        return zeros_of.get(arg.index) if isinstance(arg, Ref) and arg.kind == "value" else None
+        return zeros_of.get(arg.index) if isinstance(arg, Ref) and arg.kind is RefKind.VALUE else None
 
     def number(arg) -> bool:
         return isinstance(arg, (int, float)) and not isinstance(arg, bool)
 
     def token(arg) -> bool:
-        return isinstance(arg, Ref) and arg.kind == "token" and arg.index in per_token
+        return isinstance(arg, Ref) and arg.kind is RefKind.TOKEN and arg.index in per_token
 
     def either(*parts):
         parts = tuple(p for p in parts if p is not None)
@@ -166,13 +188,11 @@ def zero_where(step: Step, zeros_of: dict[int, tuple], per_token: frozenset[int]
     if name in ("cross_entropy", "nll_loss"):
         kwargs = dict(step.kwargs)
         target = args[1] if len(args) > 1 else kwargs.get("target")
-        return (
-            ("is", ZeroIf(target.index, "equals", kwargs.get("ignore_index", -100)))
-            if token(target)
-            else None
-        )
+        if not token(target):
+            return None
+        return "is", ZeroIf(target.index, ZeroKind.EQUALS, kwargs.get("ignore_index", -100))
     if name in _PRODUCTS and len(args) == 2:
-        facts = [("is", ZeroIf(a.index, "zero", exact=False)) if token(a) else of(a) for a in args]
+        facts = [("is", ZeroIf(a.index, ZeroKind.ZERO, exact=False)) if token(a) else of(a) for a in args]
         return either(*facts)
     if name in ("truediv", "div", "__truediv__") and len(args) == 2:
         return of(args[0]) if number(args[1]) and args[1] != 0 else None
@@ -184,13 +204,13 @@ def zero_where(step: Step, zeros_of: dict[int, tuple], per_token: frozenset[int]
     if name == "where" and len(args) == 3:
         cond, x, y = args
         if token(cond) and number(y) and y == 0:
-            return either(("is", ZeroIf(cond.index, "false")), of(x))
+            return either(("is", ZeroIf(cond.index, ZeroKind.FALSE)), of(x))
         if token(cond) and number(x) and x == 0:
-            return either(("is", ZeroIf(cond.index, "true")), of(y))
+            return either(("is", ZeroIf(cond.index, ZeroKind.TRUE)), of(y))
         return None
     if name in ("masked_fill", "masked_fill_") and len(args) >= 3:
         if token(args[1]) and number(args[2]) and args[2] == 0:
-            return either(("is", ZeroIf(args[1].index, "true")), of(args[0]))
+            return either(("is", ZeroIf(args[1].index, ZeroKind.TRUE)), of(args[0]))
         return None
     if name in _KEEP_ZEROS and args:
         return of(args[0])
@@ -230,7 +250,7 @@ class RowProgram:
     outputs: tuple[Output, ...]
     vocab_size: int
     #: per token input: its layout in the tile (``rows`` for a teacher's logits, ...)
-    token_layouts: tuple[str, ...]
+    token_layouts: tuple[Layout, ...]
     num_row_inputs: int
     has_bias: bool
     #: per token input that indexes the vocabulary: (input, how eager reports a bad index,
@@ -275,7 +295,7 @@ def _autocast_known(device_type: str) -> bool:
 
 
 def run_steps(steps, env: dict, first_value: int, device_type: str) -> dict:
-    """Run ``steps`` on the values in ``env``; step ``i`` writes ``Ref("value", first_value + i)``."""
+    """Run ``steps`` on the values in ``env``; step ``i`` writes value ``first_value + i``."""
     for i, step in enumerate(steps):
         args = _resolve(step.args, env)
         kwargs = {name: _resolve(value, env) for name, value in step.kwargs}
@@ -284,7 +304,7 @@ def run_steps(steps, env: dict, first_value: int, device_type: str) -> dict:
                 result = getattr(args[0], step.target)(*args[1:], **kwargs)
             else:
                 result = step.target(*args, **kwargs)
-        env[Ref("value", first_value + i)] = result
+        env[Ref(RefKind.VALUE, first_value + i)] = result
     return env
 
 
@@ -297,19 +317,19 @@ def run_program(
     row_inputs,
 ) -> list[torch.Tensor]:
     """The program's outputs for the tokens of ``hidden`` (a tile, or all of them, flat)."""
-    env: dict = {Ref("value", 0): F.linear(hidden, weight, bias)}
-    env.update((Ref("token", i), t) for i, t in enumerate(token_inputs))
-    env.update((Ref("row", i), t) for i, t in enumerate(row_inputs))
+    env: dict = {Ref(RefKind.VALUE, 0): F.linear(hidden, weight, bias)}
+    env.update((Ref(RefKind.TOKEN, i), t) for i, t in enumerate(token_inputs))
+    env.update((Ref(RefKind.ROW, i), t) for i, t in enumerate(row_inputs))
     run_steps(program.steps, env, 1, hidden.device.type)
-    return [env[Ref("value", out.value)] for out in program.outputs]
+    return [env[Ref(RefKind.VALUE, out.value)] for out in program.outputs]
 
 
 def run_reduction(reduction: ReductionProgram, outputs, reduce_inputs, device_type: str) -> torch.Tensor:
     """The scalar loss from the region's full per-token outputs (flat, as the tiles give them)."""
-    env: dict = {Ref("output", i): out for i, out in enumerate(outputs)}
-    env.update((Ref("reduce", i), t) for i, t in enumerate(reduce_inputs))
+    env: dict = {Ref(RefKind.OUTPUT, i): out for i, out in enumerate(outputs)}
+    env.update((Ref(RefKind.REDUCE, i), t) for i, t in enumerate(reduce_inputs))
     run_steps(reduction.steps, env, 0, device_type)
-    return env[Ref("value", reduction.result)]
+    return env[Ref(RefKind.VALUE, reduction.result)]
 
 
 def dispatch_as_caller():
@@ -337,8 +357,11 @@ _lock = threading.Lock()
 
 
 def _canonical(obj) -> str:
-    """A text form of a program that is the same in every process (no ids, no addresses)."""
-    if isinstance(obj, (Step, Output, Ref, ReductionProgram, RowProgram)):
+    """A text form of a program that is the same in every process (no ids, no addresses): an
+    enum member by its class and name (``Layout.ROWS``), never by ``enum.auto()``'s number."""
+    if isinstance(obj, enum.Enum):
+        return f"{type(obj).__name__}.{obj.name}"
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = [f for f in obj.__dataclass_fields__ if f not in ("key", "source", "form")]
         return f"{type(obj).__name__}(" + ",".join(_canonical(getattr(obj, f)) for f in fields) + ")"
     if isinstance(obj, (tuple, list)):

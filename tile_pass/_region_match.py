@@ -5,19 +5,21 @@ as many outputs as the user's code takes from it. The matcher runs in phases:
 
 1. **the projection** (:func:`tile_pass._fx.as_linear`): ``F.linear``/``x @ W.T`` with a 2-D
    weight, its autocast dtype;
-2. **the row-wise subgraph**: every node that depends on the logits is classified, in graph
-   order, by the rules table (:mod:`tile_pass._rules`); a node joins the region when a rule
-   proves it row-wise and every logits-dependent operand is already in the region;
-3. **the outputs**: region values read outside it. Per-token values (losses, log-probs,
-   log-sum-exps, ``argmax``) leave the tiles flat; a token reduction folded into an op
-   (a mean cross entropy) is finished after them; rows (``[N, V]``) may only be returned,
-   and are written tile by tile, with a gradient path replayed if the caller uses it;
-4. **the scalar loss**: when the differentiable outputs reach exactly one scalar through
-   token reductions linear in them, those nodes join the op, which then forms the whole
-   gradient in forward (:mod:`tile_pass.tiled_region`);
-5. **the rewrite**: one call to :func:`tile_pass.tiled_region.run_region`.
+2. **the row-wise subgraph** (:meth:`RegionMatcher.walk`): every node that depends on the logits
+   is classified, in graph order, by the rule registered for its op (:mod:`tile_pass._rules`); a
+   node joins the region when its rule proves it row-wise and every logits-dependent operand is
+   already in the region;
+3. **the outputs** (:meth:`RegionMatcher.collect_outputs`): region values read outside it.
+   Per-token values (losses, log-probs, log-sum-exps, ``argmax``) leave the tiles flat; a token
+   reduction folded into an op (a mean cross entropy) is finished after them; rows (``[N, V]``)
+   may only be returned, and are written tile by tile, with a gradient path replayed if the
+   caller uses it;
+4. **the scalar loss** (:meth:`RegionMatcher.scalar_loss`): when the differentiable outputs
+   reach exactly one scalar through token reductions linear in them, those nodes join the op,
+   which then forms the whole gradient in forward (:mod:`tile_pass.tiled_region`);
+5. **the rewrite** (:func:`rewrite_row_region`): one call to :func:`tile_pass.tiled_region.run_region`.
 
-Anything unproven raises :class:`~tile_pass._rules.NoMatch` with the op and the line that
+Anything unproven raises :class:`~tile_pass._fx.NoMatch` with the op and the line that
 stopped the region, and the graph is left as it was.
 """
 
@@ -31,10 +33,10 @@ import torch.fx
 import torch.nn.functional as F
 
 from tile_pass import _region, _rules
-from tile_pass._fx import as_linear, leading_index, same, val
-from tile_pass._region import Output, ReductionProgram, Ref, RowProgram, Step
+from tile_pass._fx import NoMatch, as_linear, describe, leading_index, numel, same, same_shape, val
+from tile_pass._region import Layout, Output, ReductionProgram, Ref, RefKind, RowProgram, Step, target_name
 from tile_pass._returned_logits import ReturnedLogits
-from tile_pass._rules import Classified, Layout, NoMatch, describe
+from tile_pass._rules import PREVIOUS_STEP, AfterTiles, Classified, RuleKind, Shape, TokenReduction
 from tile_pass.report import source_line
 
 _ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
@@ -66,9 +68,9 @@ class RowInput:
 class RegionOutput:
     node: torch.fx.Node  # the FX node whose value leaves the region
     value: int  # the program value
-    layout: Layout
+    shape: Shape
     differentiable: bool
-    after_tiles: tuple | None = None  # the token reduction left to do (see _rules.Classified)
+    after_tiles: AfterTiles | None = None  # the token reduction left to do
     flat_tokens: bool = False  # its token dims are the flattened [N] (else the hidden states')
 
 
@@ -128,13 +130,6 @@ def _state_for(contexts: tuple, ambient, device_type: str):
     return ambient
 
 
-def _numel(shape) -> object:
-    total = 1
-    for size in shape:
-        total = total * size
-    return total
-
-
 def _projection_like(node: torch.fx.Node) -> bool:
     """A linear layer or matmul: where the logits' cone stops (a later layer's inputs)."""
     try:
@@ -143,24 +138,20 @@ def _projection_like(node: torch.fx.Node) -> bool:
         return True
 
 
-def _same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-
-
-def _after_tiles(flat: torch.Tensor, how: str, hidden: torch.Tensor, flat_tokens: bool, *operands):
+def _after_tiles(flat: torch.Tensor, how: TokenReduction, hidden: torch.Tensor, flat_tokens: bool, *operands):
     """The token reduction an op folded in (``F.cross_entropy(reduction="mean")``, a full
     ``sum()``/``mean()``, ``kl_div(reduction="batchmean")``), finished on the tiles'
     per-token values exactly as eager defines it."""
     total = flat.sum()
-    if how == "sum":
+    if how is TokenReduction.SUM:
         return total
-    if how == "div_elements":  # a mean over tokens and the vocabulary
+    if how is TokenReduction.DIV_ELEMENTS:
         return total / (flat.shape[0] * operands[0])
-    if how == "div_tokens":
+    if how is TokenReduction.DIV_TOKENS:
         return total / flat.shape[0]
-    if how == "div_first_dim":  # batchmean: input.size(0), as the user's graph shaped the input
+    if how is TokenReduction.DIV_FIRST_DIM:  # input.size(0), as the user's graph shaped the input
         return total / (flat.shape[0] if flat_tokens else hidden.shape[0])
-    if how == "mean_valid":  # eager's denominator: the labelled tokens (class-weighted)
+    if how is TokenReduction.MEAN_VALID:
         target, class_weight, ignore_index = operands
         valid = target != ignore_index
         if class_weight is None:
@@ -173,7 +164,7 @@ def _after_tiles(flat: torch.Tensor, how: str, hidden: torch.Tensor, flat_tokens
 def _per_token(x: torch.Tensor, hidden: torch.Tensor, flat_tokens: bool, part_dims: int) -> torch.Tensor:
     """A per-token operand as the tiles take it: ``[N, *part]``, broadcast token dims expanded."""
     part = tuple(x.shape[x.dim() - part_dims :]) if part_dims else ()
-    tokens = (_numel(hidden.shape[:-1]),) if flat_tokens else tuple(hidden.shape[:-1])
+    tokens = (numel(hidden.shape[:-1]),) if flat_tokens else tuple(hidden.shape[:-1])
     return x.expand(*tokens, *part).reshape(-1, *part)
 
 
@@ -206,9 +197,9 @@ class _ProgramPrefix(torch.nn.Module):
 
 def describe_output(output: RegionOutput) -> str:
     """``lse [tokens]`` and the like, for reports."""
-    what = {"rows": "rows", "tokens1": "per token", "tokens": "per token"}[output.layout.kind]
+    what = "rows" if output.shape.layout is Layout.ROWS else "per token"
     if output.after_tiles is not None:
-        what = f"token {output.after_tiles[0]}"
+        what = f"token {output.after_tiles.how.value}"
     return f"{output.node.name} ({what}{', differentiable' if output.differentiable else ''})"
 
 
@@ -246,9 +237,8 @@ def _no_op_redistribute(node: torch.fx.Node) -> bool:
     return placements[0] is not None and placements[0] == placements[1] and meshes[0] == meshes[1]
 
 
-#: the steps over the vocabulary a sharded region must replace by their group-wide form
-_VOCAB_METHODS = frozenset({"sum", "mean", "logsumexp", "amax", "amin", "max", "min", "argmax", "argmin"})
-_VOCAB_FUNCTIONS = (F.log_softmax, F.softmax, torch.gather, F.cross_entropy, F.nll_loss, F.kl_div)
+#: the rules whose steps work over the vocabulary: a sharded region replaces them by their group-wide form
+_OVER_VOCAB = (RuleKind.VOCAB_REDUCTION, RuleKind.NORMALIZE, RuleKind.GATHER, RuleKind.LOSS)
 
 
 def _shard_program_steps(matcher) -> list[Step]:
@@ -268,31 +258,29 @@ def _shard_program_steps(matcher) -> list[Step]:
     if any(not row.zero_dim for row in matcher.row_inputs):
         raise NoMatch("a [V] operand of the logits is not sharded with the head yet")
     steps = []
-    for step, layout in zip(matcher.steps, matcher.step_layouts, strict=True):
+    layouts = [shape.layout for shape in matcher.step_shapes]
+    for step, layout, kind in zip(matcher.steps, layouts, matcher.step_kinds, strict=True):
         source = step.args[0] if step.args else None
         reads_rows = (
-            isinstance(source, Ref) and source.kind == "value"
-            and (source.index == 0 or matcher.step_layouts[source.index - 1].kind == "rows")
+            isinstance(source, Ref) and source.kind is RefKind.VALUE
+            and (source.index == 0 or layouts[source.index - 1] is Layout.ROWS)
         )  # fmt: skip
-        over_vocab = (step.op == "call_method" and step.target in _VOCAB_METHODS) or (
-            step.op == "call_function" and step.target in _VOCAB_FUNCTIONS
-        )
-        if reads_rows and over_vocab:
+        if reads_rows and kind in _OVER_VOCAB:
             sharded = shard_step(step, group_name, start, int(matcher.vocab))
             if sharded is None:
-                raise NoMatch(f"{step.describe()} ({step.source}) has no tensor-parallel form yet")
+                raise NoMatch("{} ({}) has no tensor-parallel form yet", step.describe(), step.source)
             step = sharded
-        elif reads_rows and step.target == "reshape" and layout.kind == "rows":
+        elif reads_rows and step.target == "reshape" and layout is Layout.ROWS:
             args = (*step.args[:-1], rows)
             step = Step(step.op, step.target, args, step.kwargs, step.autocast, step.source)
-        elif layout.kind == "rows":  # an elementwise step of the rows
+        elif layout is Layout.ROWS:  # an elementwise step of the rows
             replicated = tuple(
                 i for i, a in enumerate(step.args)
-                if isinstance(a, Ref) and a.kind == "value" and a.index > 0
-                and matcher.step_layouts[a.index - 1].kind in ("tokens", "tokens1")
+                if isinstance(a, Ref) and a.kind is RefKind.VALUE and a.index > 0
+                and layouts[a.index - 1] in (Layout.TOKENS, Layout.TOKENS1)
             )  # fmt: skip
-            if any(isinstance(v, Ref) and v.kind == "value" for _, v in step.kwargs):
-                raise NoMatch(f"{step.describe()} ({step.source}) takes a computed value by keyword")
+            if any(isinstance(v, Ref) and v.kind is RefKind.VALUE for _, v in step.kwargs):
+                raise NoMatch("{} ({}) takes a computed value by keyword", step.describe(), step.source)
             if replicated:
                 step = Step("call_function", shard_elementwise,
                             (step.target, step.op, replicated, group_name, *step.args), step.kwargs,
@@ -301,8 +289,9 @@ def _shard_program_steps(matcher) -> list[Step]:
     return steps
 
 
-class _Matcher:
-    """Phases 2-4 for one projection (see the module docstring)."""
+class RegionMatcher:
+    """Phases 2-4 for one projection (see the module docstring); the rules
+    (:mod:`tile_pass._rules`) read its values and add its operands through the methods below."""
 
     def __init__(self, graph: torch.fx.Graph, projection: torch.fx.Node, linear, autocast_states, drop_rows):
         self.graph = graph
@@ -328,26 +317,25 @@ class _Matcher:
         self.device_type = out_val.device.type
         self.ambient = _ambient_autocast(self.device_type)
         self.hidden_tokens = tuple(hidden_val.shape[:-1])
-        self.num_tokens = _numel(self.hidden_tokens)
-        dtypes = {hidden_val.dtype, weight_val.dtype} | (
-            {val(self.bias).dtype} if self.bias is not None else set()
-        )
+        self.num_tokens = numel(self.hidden_tokens)
+        dtypes = {v.dtype for v in (hidden_val, weight_val, val(self.bias)) if v is not None}
         self.autocast_dtype = None
         if dtypes != {out_val.dtype}:
             if out_val.dtype not in (torch.bfloat16, torch.float16):
-                raise NoMatch(f"the linear's output dtype {out_val.dtype} does not follow from its inputs")
+                raise NoMatch("the linear's output dtype {} does not follow from its inputs", out_val.dtype)
             self.autocast_dtype = out_val.dtype
-        self.values: dict[torch.fx.Node, tuple[int, Layout]] = {
-            projection: (0, Layout("rows", self.hidden_tokens))
+        self.values: dict[torch.fx.Node, tuple[int, Shape]] = {
+            projection: (0, Shape(Layout.ROWS, self.hidden_tokens))
         }
         self.steps: list[Step] = []
-        self.step_layouts: list[Layout] = []  # the layout of each step's value
+        self.step_shapes: list[Shape] = []  # the shape of each step's value
+        self.step_kinds: list[RuleKind] = []  # the kind of rule that made each step
         self.nodes: list[torch.fx.Node] = []
         self.token_inputs: list[TokenInput] = []
         self.row_inputs: list[RowInput] = []
-        self.after: dict[torch.fx.Node, tuple] = {}
+        self.after: dict[torch.fx.Node, tuple[AfterTiles, Shape]] = {}
         self.index_checks: list[tuple] = []
-        self.outside: dict[torch.fx.Node, str] = {}  # node that depends on the logits -> why not row-wise
+        self.outside: dict[torch.fx.Node, NoMatch] = {}  # node that depends on the logits -> why not row-wise
         self.head_signs = False
         self.dropped: list[torch.fx.Node] = []  # returned rows not computed (drop_logits=True)
         #: rows before a token slice that the graph returns: left to the graph, computed whole
@@ -360,72 +348,73 @@ class _Matcher:
 
     # ---------------------------------------------------------------- operands
 
-    def _flat(self, tokens: tuple) -> bool:
+    def flat_tokens(self, tokens: tuple) -> bool:
         """Whether a token shape is the flattened [N] (else it must be the hidden states')."""
-        if _same_shape(tokens, self.hidden_tokens):
+        if same_shape(tokens, self.hidden_tokens):
             return False
         if len(tokens) == 1 and same(tokens[0], self.num_tokens):
             return True
-        raise NoMatch(f"the logits' token dimensions are regrouped into {tuple(tokens)}")
+        raise NoMatch("the logits' token dimensions are regrouped into {}", tuple(tokens))
 
-    def operand(self, arg, out: Layout, node: torch.fx.Node):
+    def shape_of(self, arg) -> Shape | None:
+        """The shape of a region value; None for anything else."""
+        return self.values[arg][1] if isinstance(arg, torch.fx.Node) and arg in self.values else None
+
+    def value_ref(self, arg: torch.fx.Node) -> Ref:
+        return Ref(RefKind.VALUE, self.values[arg][0])
+
+    def operand(self, arg, out: Shape, node: torch.fx.Node):
         """A step's argument: a region value, a per-token or shared input, or a constant."""
         if isinstance(arg, (tuple, list)):
             return type(arg)(self.operand(a, out, node) for a in arg)
         if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise NoMatch(f"{describe(node)} uses a dynamic scalar; keep it a Python constant")
+            raise NoMatch("{} uses a dynamic scalar; keep it a Python constant", node)
         if not isinstance(arg, torch.fx.Node):
             return arg
         if arg in self.values:
-            index, layout = self.values[arg]
-            if layout.kind == "reduced":
-                raise NoMatch(f"{describe(node)} reads a value reduced over the tokens")
-            return Ref("value", index)
+            if self.values[arg][1].layout is Layout.REDUCED:
+                raise NoMatch("{} reads a value reduced over the tokens", node)
+            return self.value_ref(arg)
         if arg in self.depends:
-            raise NoMatch(f"{describe(node)} combines the logits with {describe(arg)}, which is not row-wise")
+            raise NoMatch("{} combines the logits with {}, which is not row-wise", node, arg)
         value = arg.meta.get("example_value", arg.meta.get("val"))
         if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise NoMatch(f"{describe(node)} uses a dynamic scalar; keep it a Python constant")
+            raise NoMatch("{} uses a dynamic scalar; keep it a Python constant", node)
         if not isinstance(value, torch.Tensor):
-            raise NoMatch(f"{describe(node)} takes {describe(arg)}, which is not a tensor")
+            raise NoMatch("{} takes {}, which is not a tensor", node, arg)
         return self.side_input(arg, value, out, node)
 
-    def side_input(self, arg, value: torch.Tensor, out: Layout, node) -> Ref:
+    def side_input(self, arg, value: torch.Tensor, out: Shape, node) -> Ref:
         if value.requires_grad:
-            raise NoMatch(
-                f"{describe(node)} uses {describe(arg)}, which requires grad; a learnable tensor "
-                "inside the region is not tiled yet"
-            )
-        out_part = _region.row_part(out.kind, self.vocab)
+            raise NoMatch("{} uses {}, which requires grad; a learnable tensor inside the region is not "
+                          "tiled yet", node, arg)  # fmt: skip
+        out_part = _region.row_part(out.layout, self.vocab)
         out_shape = (*out.tokens, *out_part)
         if value.dim() > len(out_shape):
-            raise NoMatch(f"{describe(node)} broadcasts the logits up with {describe(arg)}")
+            raise NoMatch("{} broadcasts the logits up with {}", node, arg)
         padded = (1,) * (len(out_shape) - value.dim()) + tuple(value.shape)
         tokens, part = padded[: len(out.tokens)], padded[len(out.tokens) :]
         per_token = all(same(s, t) for s, t in zip(tokens, out.tokens, strict=True))
         if not per_token and all(same(s, 1) for s in tokens):
             for i, entry in enumerate(self.row_inputs):
                 if entry.node is arg:
-                    return Ref("row", i)
+                    return Ref(RefKind.ROW, i)
             self.row_inputs.append(RowInput(arg, value.dim() == 0))
-            return Ref("row", len(self.row_inputs) - 1)
+            return Ref(RefKind.ROW, len(self.row_inputs) - 1)
         if not all(same(s, 1) or same(s, t) for s, t in zip(tokens, out.tokens, strict=True)):
-            raise NoMatch(f"{describe(node)} combines the logits with {describe(arg)} of shape "
-                          f"{tuple(value.shape)}, which is not one value per token")  # fmt: skip
+            raise NoMatch("{} combines the logits with {} of shape {}, which is not one value per token",
+                          node, arg, tuple(value.shape))  # fmt: skip
         if not per_token and part and not same(part[0], 1):
-            raise NoMatch(f"{describe(node)} broadcasts {describe(arg)} over tokens into [N, V] rows")
+            raise NoMatch("{} broadcasts {} over tokens into [N, V] rows", node, arg)
         part = tuple(1 if same(p, 1) else self.vocab for p in part)
-        entry = TokenInput(arg, part, self._flat(out.tokens))
+        entry = TokenInput(arg, part, self.flat_tokens(out.tokens))
         for i, known in enumerate(self.token_inputs):
             if known.node is arg and known.part == part and known.flat_tokens == entry.flat_tokens:
-                return Ref("token", i)
+                return Ref(RefKind.TOKEN, i)
         self.token_inputs.append(entry)
-        return Ref("token", len(self.token_inputs) - 1)
+        return Ref(RefKind.TOKEN, len(self.token_inputs) - 1)
 
     # ---------------------------------------------------------------- rules
-
-    def layout_of(self, arg) -> Layout | None:
-        return self.values[arg][1] if isinstance(arg, torch.fx.Node) and arg in self.values else None
 
     def step(self, node, target, args, kwargs=(), op="call_function") -> Step:
         contexts = self.autocast_states.get(node, ())
@@ -439,235 +428,38 @@ class _Matcher:
         and every value before it is computed on them too, being row-wise). Values computed
         before the slice may then be read only on the way to it."""
         source = node.args[0] if node.op == "call_function" and node.target is operator.getitem else None
-        layout = self.layout_of(source)
-        if layout is None or layout.kind != "rows":
+        shape = self.shape_of(source)
+        if shape is None or shape.layout is not Layout.ROWS:
             return False
         if source in self.pre_slice:
-            raise NoMatch(f"{describe(node)} slices the logits' token rows a second way")
-        index = leading_index(node, len(layout.tokens) + 1)
+            raise NoMatch("{} slices the logits' token rows a second way", node)
+        index = leading_index(node, len(shape.tokens) + 1)
         if index is None:
-            raise NoMatch(f"{describe(node)} indexes the logits by something other than token rows")
-        if not _same_shape(layout.tokens, self.hidden_tokens):
-            raise NoMatch(f"{describe(node)} slices token rows that were regrouped; slice before reshaping")
+            raise NoMatch("{} indexes the logits by something other than token rows", node)
+        if not same_shape(shape.tokens, self.hidden_tokens):
+            raise NoMatch("{} slices token rows that were regrouped; slice before reshaping", node)
         if self.token_inputs:
-            raise NoMatch(f"{describe(node)} slices the token rows after a per-token value was combined "
-                          "with them; slice the logits first")  # fmt: skip
+            raise NoMatch("{} slices the token rows after a per-token value was combined with them; slice "
+                          "the logits first", node)  # fmt: skip
         tokens = tuple(val(node).shape[:-1])
         self.pre_slice |= set(self.values)
         self.slices.append(index)
         self.slice_nodes.append(node)
         self.slice_steps.append(len(self.steps))  # where "slice tokens" reads in the report
-        self.hidden_tokens, self.num_tokens = tokens, _numel(tokens)
-        self.values[node] = (self.values[source][0], Layout("rows", tokens))
+        self.hidden_tokens, self.num_tokens = tokens, numel(tokens)
+        self.values[node] = (self.values[source][0], Shape(Layout.ROWS, tokens))
         return True
 
     def classify(self, node: torch.fx.Node) -> list[Classified]:
+        """The node's steps by the rule registered for its op; ``NoMatch`` if it has none."""
         before = [a for a in node.all_input_nodes if a in self.pre_slice]
         if before:
-            raise NoMatch(f"{describe(node)} reads {describe(before[0])}, computed before the logits' token "
-                          "slice, so it would need the rows the slice drops")  # fmt: skip
+            raise NoMatch("{} reads {}, computed before the logits' token slice, so it would need the rows "
+                          "the slice drops", node, before[0])  # fmt: skip
         rule = _rules.rule_for(node)
         if rule is None:
-            raise NoMatch(f"{describe(node)} has no row-wise rule")
-        out = val(node)
-        kind = rule.kind
-        if kind == "inplace":
-            mutated = node.args[0]
-            if not isinstance(mutated, torch.fx.Node) or mutated not in self.values:
-                raise NoMatch(f"{describe(node)} writes into a tensor from outside the region")
-            if len(mutated.users) != 1:
-                raise NoMatch(
-                    f"{describe(node)} changes the logits in place while other code also reads them"
-                )
-            return [self.elementwise(node, rule.out_of_place, out)]
-        if kind == "elementwise":
-            return [self.elementwise(node, node.target, out)]
-        source = node.args[0] if node.args else None
-        layout = self.layout_of(source)
-        if layout is None or layout.kind in ("reduced", "tuple") and kind != "getitem":
-            raise NoMatch(f"{describe(node)} does not take the logits as its first operand")
-        if kind == "view":
-            return [self.view(node, layout, out)]
-        if kind == "vocab_reduction":
-            return self.vocab_reduction(node, layout, out)
-        if kind == "normalize":
-            options = _rules.normalize_options(node)
-            if layout.kind != "rows" or not _rules.is_vocab_dim(options["dim"], out.dim()):
-                raise NoMatch(f"{describe(node)} is not taken over the vocabulary dimension")
-            kwargs = (("dtype", options["dtype"]),) if options["dtype"] is not None else ()
-            target = F.log_softmax if "log" in _rules.op_name(node) else F.softmax
-            return [Classified(self.step(node, target, (Ref("value", self.values[source][0]), -1), kwargs),
-                               layout)]  # fmt: skip
-        if kind == "gather":
-            return [self.gather(node, layout, out)]
-        if kind == "getitem":
-            if layout.kind != "tuple" or not isinstance(node.args[1], int):
-                raise NoMatch(f"{describe(node)} slices the logits' token rows; that is not tiled in a "
-                              "multi-output region yet")  # fmt: skip
-            inner = Layout(layout.tokens[0], layout.tokens[1])
-            step = self.step(node, operator.getitem, (Ref("value", self.values[source][0]), node.args[1]))
-            return [Classified(step, inner)]
-        if kind == "loss":
-            return self.loss(node, layout)
-        raise NoMatch(f"{describe(node)} has no row-wise rule")
-
-    def elementwise(self, node, target, out) -> Classified:
-        if not isinstance(out, torch.Tensor):
-            raise NoMatch(f"{describe(node)} does not give a tensor")
-        inputs = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
-        layouts = [self.layout_of(a) for a in inputs if self.layout_of(a) is not None]
-        kinds = {layout.kind for layout in layouts}
-        if "reduced" in kinds or "tuple" in kinds or not layouts:
-            raise NoMatch(f"{describe(node)} reads a value reduced over the tokens")
-        if len(kinds) > 1 and kinds != {"rows", "tokens1"}:
-            raise NoMatch(f"{describe(node)} combines per-token values of different layouts")
-        kind = "rows" if "rows" in kinds else kinds.pop()
-        tokens = layouts[0].tokens
-        if any(not _same_shape(layout.tokens, tokens) for layout in layouts):
-            raise NoMatch(f"{describe(node)} combines values with different token dimensions")
-        layout = Layout(kind, tokens)
-        part = _region.row_part(kind, self.vocab)
-        if not _same_shape(tuple(out.shape), (*tokens, *part)):
-            raise NoMatch(f"{describe(node)} changes the shape of the logits' rows")
-        if out.device.type != self.device_type:
-            raise NoMatch(f"{describe(node)} moves the logits to another device")
-        if _rules.op_name(node) in ("to", "type") and any(
-            isinstance(a, (torch.fx.Node, torch.device, str)) for a in node.args[1:]
-        ):
-            raise NoMatch(f"{describe(node)} casts with a device or a tensor; only a dtype cast is replayed")
-        args = [self.operand(a, layout, node) for a in node.args]
-        kwargs = [(k, self.operand(v, layout, node)) for k, v in node.kwargs.items()]
-        return Classified(self.step(node, target, args, kwargs, node.op), layout)
-
-    def view(self, node, layout: Layout, out) -> Classified:
-        source = Ref("value", self.values[node.args[0]][0])
-        if _rules.op_name(node) == "contiguous":
-            return Classified(self.step(node, "contiguous", (source,), op="call_method"), layout)
-        shape = tuple(out.shape)
-        count = _numel(layout.tokens)
-        if layout.kind == "rows":
-            if not (shape and same(shape[-1], self.vocab) and same(_numel(shape[:-1]), count)):
-                raise NoMatch(f"{describe(node)} reshapes across the vocabulary dimension")
-            new = Layout("rows", shape[:-1])
-        elif shape and same(shape[-1], 1) and same(_numel(shape[:-1]), count) and len(shape) > 1:
-            new = Layout("tokens1", shape[:-1])
-        elif same(_numel(shape), count):
-            new = Layout("tokens", shape)
-        else:
-            raise NoMatch(f"{describe(node)} reshapes across the tokens")
-        self._flat(new.tokens)
-        part = _region.row_part(new.kind, self.vocab)
-        return Classified(self.step(node, "reshape", (source, -1, *part), op="call_method"), new)
-
-    def vocab_reduction(self, node, layout: Layout, out) -> list[Classified]:
-        options = _rules.reduction_options(node)
-        name = _rules.op_name(node)
-        source = Ref("value", self.values[node.args[0]][0])
-        dim = options["dim"]
-        ndim = len(layout.tokens) + 1
-        if layout.kind != "rows":
-            raise NoMatch(f"{describe(node)} reduces over the tokens")
-        if dim is None or dim == () or dim == []:
-            if name not in ("sum", "mean") or options.get("dtype") is not None:
-                raise NoMatch(f"{describe(node)} reduces over the tokens and the vocabulary at once")
-            if val(node.args[0]).dtype not in (torch.float32, torch.float64):
-                raise NoMatch(f"{describe(node)} sums half-precision logits over all tokens")
-            step = self.step(node, "sum", (source, -1), op="call_method")
-            how = ("sum",) if name == "sum" else ("div_elements", self.vocab)
-            return [Classified(step, Layout("tokens", layout.tokens), after_tiles=how)]
-        if not _rules.is_vocab_dim(dim, ndim):
-            raise NoMatch(f"{describe(node)} reduces over the token dimensions")
-        keepdim = bool(options["keepdim"])
-        kwargs = (("dtype", options["dtype"]),) if options.get("dtype") is not None else ()
-        inner = "tokens1" if keepdim else "tokens"
-        result = (
-            Layout("tuple", (inner, layout.tokens))
-            if name in ("max", "min")
-            else Layout(inner, layout.tokens)
-        )
-        return [Classified(self.step(node, name, (source, -1, keepdim), kwargs, op="call_method"), result)]
-
-    def gather(self, node, layout: Layout, out) -> Classified:
-        options = _rules.gather_options(node)
-        if layout.kind != "rows" or not _rules.is_vocab_dim(options["dim"], len(layout.tokens) + 1):
-            raise NoMatch(f"{describe(node)} does not gather along the vocabulary dimension")
-        result = Layout("tokens1", layout.tokens)
-        if not _same_shape(tuple(out.shape), (*layout.tokens, 1)):
-            raise NoMatch(f"{describe(node)} gathers more than one id per token")
-        index = self.operand(options["index"], result, node)
-        if index.kind == "token":
-            dim = options["dim"] % (len(layout.tokens) + 1)
-            self.index_checks.append(
-                (index.index, f"index {{}} is out of bounds for dimension {dim} with size {self.vocab}", None)
-            )
-        source = Ref("value", self.values[node.args[0]][0])
-        return Classified(self.step(node, torch.gather, (source, -1, index)), result)
-
-    def loss(self, node, layout: Layout) -> list[Classified]:
-        options = _rules.loss_options(node)
-        source = Ref("value", self.values[options["input"]][0])
-        reduction = options["reduction"]
-        if not isinstance(reduction, str) or reduction not in ("none", "sum", "mean", "batchmean"):
-            raise NoMatch(f"{describe(node)} has reduction={reduction!r}")
-        if layout.kind != "rows":
-            raise NoMatch(f"{describe(node)} does not take [tokens, V] logits")
-        if node.target is F.kl_div:
-            target_layout = self.layout_of(options["target"])
-            if target_layout is not None and target_layout.kind != "rows":
-                raise NoMatch(f"{describe(node)} compares the logits with a value that is not [tokens, V]")
-            target = self.operand(options["target"], layout, node)
-            log_target = options["log_target"]
-            if not isinstance(log_target, bool):
-                raise NoMatch(f"{describe(node)} has a log_target that is not a constant")
-            step = self.step(
-                node, F.kl_div, (source, target), (("reduction", "none"), ("log_target", log_target))
-            )
-            if reduction == "none":
-                return [Classified(step, layout)]
-            how = {"sum": ("sum",), "mean": ("div_elements", self.vocab), "batchmean": ("div_first_dim",)}
-            row_sum = self.step(node, "sum", (Ref("value", -1), -1), op="call_method")  # -1: the step before
-            return [Classified(step, layout), Classified(row_sum, Layout("tokens", layout.tokens),
-                                                         after_tiles=how[reduction])]  # fmt: skip
-        if reduction == "batchmean":
-            raise NoMatch(f"{describe(node)} has reduction='batchmean'")
-        if len(layout.tokens) != 1:
-            raise NoMatch(f"{describe(node)} takes [B, T, V] logits, whose class dimension is not the last")
-        for name, kinds in (("ignore_index", int), ("label_smoothing", (int, float))):
-            value = options.get(name, 0)
-            if isinstance(value, bool) or not isinstance(value, kinds):
-                raise NoMatch(
-                    f"{describe(node)} has a {name} that is not a compile-time constant ({value!r})"
-                )
-        target_node = options["target"]
-        target_val = val(target_node)
-        if target_val is None or self.layout_of(target_node) is not None:
-            raise NoMatch(f"{describe(node)} takes a target computed from the logits")
-        soft = target_val.is_floating_point()
-        if soft and node.target is F.nll_loss:
-            raise NoMatch("nll_loss takes class indices, not class probabilities")
-        if not soft and target_val.dtype != torch.int64:
-            raise NoMatch(f"{describe(node)} has a {target_val.dtype} target; eager expects int64")
-        target = self.operand(target_node, Layout("rows" if soft else "tokens", layout.tokens), node)
-        weight = options.get("weight")
-        kwargs = [("ignore_index", options["ignore_index"]), ("reduction", "none")]
-        if node.target is F.cross_entropy:
-            kwargs.append(("label_smoothing", float(options["label_smoothing"])))
-            if not 0.0 <= options["label_smoothing"] <= 1.0:
-                raise NoMatch("label_smoothing is outside [0, 1]; eager raises for it")
-        if weight is not None:
-            weight_val = val(weight)
-            if weight_val is None or weight_val.dim() != 1 or not same(weight_val.shape[0], self.vocab):
-                raise NoMatch(f"{describe(node)} has class weights that are not a [V] tensor")
-            kwargs.append(("weight", self.operand(weight, layout, node)))
-        step = self.step(node, node.target, (source, target), kwargs)
-        if not soft and target.kind == "token":
-            self.index_checks.append((target.index, "Target {} is out of bounds.", options["ignore_index"]))
-        how = None
-        if reduction == "sum":
-            how = ("sum",)
-        elif reduction == "mean":
-            how = ("div_tokens",) if soft else ("mean_valid", target_node, weight, options["ignore_index"])
-        return [Classified(step, Layout("tokens", layout.tokens), after_tiles=how)]
+            raise NoMatch("{} has no row-wise rule", node)
+        return rule.classify(self, node)
 
     # ---------------------------------------------------------------- phases
 
@@ -685,12 +477,11 @@ class _Matcher:
                     sign = node.target in _HEAD_SIGNS
                 except TypeError:  # an unhashable target
                     sign = False
-                read = val(node.args[0]) if node.args else None  # over this head's vocabulary
+                read = val(node.args[0] if node.args else node.kwargs.get("input"))  # over this vocabulary
                 self.head_signs |= sign and read is not None and same(read.shape[-1], self.vocab)
             if any(a in self.depends and a not in self.values for a in node.all_input_nodes):
-                self.outside[node] = (
-                    f"{describe(node)} reads a value computed from the logits outside the region"
-                )
+                why = NoMatch("{} reads a value computed from the logits outside the region", node)
+                self.outside[node] = why
                 continue
             if self.shard is not None and _no_op_redistribute(node):
                 self.values[node] = self.values[node.args[0]]  # ColwiseParallel's output hook
@@ -702,41 +493,49 @@ class _Matcher:
                     continue
                 classified = self.classify(node)
             except NoMatch as why:
-                self.outside[node] = str(why)
+                why.node = why.node or node
+                self.outside[node] = why
                 continue
             for entry in classified:
-                index = len(self.steps) + 1
-                step = entry.step
-                if step.args and step.args[0] == Ref("value", -1):  # a rule's second step reads its first
-                    step = Step(step.op, step.target, (Ref("value", index - 1), *step.args[1:]), step.kwargs,
-                                step.autocast, step.source)  # fmt: skip
-                self.steps.append(step)
-                self.step_layouts.append(entry.layout)
-                self.values[node] = (index, entry.layout)
-                per_token = frozenset(i for i, t in enumerate(self.token_inputs) if t.part in ((), (1,)))
-                self.zeros[index] = _region.zero_where(step, self.zeros, per_token)
-                if entry.after_tiles is not None:  # its readers see the reduced value
-                    self.after[node] = (entry.after_tiles, entry.layout)
-                    self.values[node] = (index, Layout("reduced", entry.layout.tokens))
+                self._add(node, entry)
             self.nodes.append(node)
+
+    def _add(self, node: torch.fx.Node, entry: Classified) -> None:
+        """A step of ``node`` joins the program; its readers see its value (reduced, if it is)."""
+        index = len(self.steps) + 1
+        step = entry.step
+        if step.args and step.args[0] == PREVIOUS_STEP:
+            step = Step(step.op, step.target, (Ref(RefKind.VALUE, index - 1), *step.args[1:]), step.kwargs,
+                        step.autocast, step.source)  # fmt: skip
+        self.steps.append(step)
+        self.step_shapes.append(entry.shape)
+        self.step_kinds.append(_rules.rule_for(node).kind)
+        self.values[node] = (index, entry.shape)
+        per_token = frozenset(i for i, t in enumerate(self.token_inputs) if t.part in ((), (1,)))
+        self.zeros[index] = _region.zero_where(step, self.zeros, per_token)
+        if entry.after_tiles is not None:
+            self.after[node] = (entry.after_tiles, entry.shape)
+            self.values[node] = (index, Shape(Layout.REDUCED, entry.shape.tokens))
 
     def collect_outputs(self) -> list[RegionOutput] | None:
         """Phase 3: the region values read outside the region; None if it holds no head."""
         if not self.head_signs:
             return None
         outputs = []
-        for node, (index, layout) in self.values.items():
+        for node, (index, shape) in self.values.items():
             users = [u for u in node.users if u not in self.values]
             if node in self.after:
                 if users:
-                    how, tile_layout = self.after[node]
-                    outputs.append(RegionOutput(node, index, tile_layout, bool(val(node).requires_grad), how))
+                    after, tile_shape = self.after[node]
+                    outputs.append(
+                        RegionOutput(node, index, tile_shape, bool(val(node).requires_grad), after)
+                    )
                 continue
             if not users:
                 continue
-            if layout.kind == "tuple":
-                raise NoMatch(f"{describe(node)} is used whole; take its values and indices apart first")
-            if layout.kind == "rows":
+            if shape.layout is Layout.TUPLE:
+                raise NoMatch("{} is used whole; take its values and indices apart first", node)
+            if shape.layout is Layout.ROWS:
                 if node in self.pre_slice:  # before the token slice: returned whole, or dropped
                     if all(u.op == "output" for u in users):
                         if self.drop_rows and len(self.slices) == 1:
@@ -744,48 +543,45 @@ class _Matcher:
                         else:  # the graph keeps computing them; the tiles run the sliced rows
                             self.kept_whole.append(node)
                         continue
-                    raise NoMatch(
-                        f"{describe(self.slice_nodes[0])} slices the logits' token rows while "
-                        f"{describe(users[0])} reads them whole, so they must exist whole"
-                    )
+                    raise NoMatch("{} slices the logits' token rows while {} reads them whole, so they must "
+                                  "exist whole", self.slice_nodes[0], users[0])  # fmt: skip
                 if self.drop_rows and all(u.op == "output" for u in users) and not self.slices:
                     self.dropped.append(node)
                     continue
                 blocking = [u for u in users if u.op != "output"]
                 if blocking:
                     user = blocking[0]
-                    detail = (
-                        self.outside.get(user, "is not row-wise").removeprefix(describe(user)).strip(" ,:")
-                    )
-                    raise NoMatch(
-                        f"the logits ({describe(node)}) are also consumed by {describe(user)}, "
-                        f"which {detail}; "
-                        "so they must exist whole"
-                    )
+                    why = self.outside.get(user)
+                    detail = str(why).removeprefix(describe(user)).strip(" ,:") if why else "is not row-wise"
+                    raise NoMatch("the logits ({}) are also consumed by {}, which {}; so they must exist "
+                                  "whole", node, user, detail, node=user)  # fmt: skip
             value = val(node)
             outputs.append(
-                RegionOutput(node, index, layout, bool(value.requires_grad) and value.is_floating_point())
+                RegionOutput(node, index, shape, bool(value.requires_grad) and value.is_floating_point())
             )
-        if not any(o.layout.kind != "rows" for o in outputs):
+        if outputs and all(o.shape.layout is Layout.ROWS for o in outputs):
+            raise NoMatch("{} gives [tokens, V] rows that the graph returns whole, and nothing per token "
+                          "reads them; tiling would save nothing", outputs[-1].node)  # fmt: skip
+        if not outputs:
             return None
         for out in outputs:
-            out.flat_tokens = self._flat(out.layout.tokens)
+            out.flat_tokens = self.flat_tokens(out.shape.tokens)
         return outputs
 
     def scalar_loss(self, outputs: list[RegionOutput]):
         """Phase 4: the token reductions that end the differentiable outputs in one scalar, if
-        they are linear in them; ``(nodes, steps, sink, inputs)`` or None."""
-        diff = [o for o in outputs if o.differentiable and o.layout.kind != "rows"]
+        they are linear in them; ``(nodes, steps, sink, inputs, result)`` or None (the op then
+        derives the gradient in backward)."""
+        diff = [o for o in outputs if o.differentiable and o.shape.layout is not Layout.ROWS]
         if not diff:
             return None
         env: dict[torch.fx.Node, Ref] = {}
         steps: list[Step] = []
         linear: set[torch.fx.Node] = set()  # depends on a differentiable output
-        inputs: list[torch.fx.Node] = []
-        hidden_ref = None
+        inputs: list[torch.fx.Node] = [self.hidden]  # the hidden states: for their token shape only
+        hidden = Ref(RefKind.REDUCE, 0)
 
         def external(arg):
-            nonlocal hidden_ref
             if not isinstance(arg, torch.fx.Node):
                 if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                     raise NoMatch("dynamic scalar")
@@ -797,40 +593,37 @@ class _Matcher:
                 raise NoMatch("not linear")
             if arg not in inputs:
                 inputs.append(arg)
-            return Ref("reduce", inputs.index(arg))
-
-        def hidden_input():  # for its token shape only
-            nonlocal hidden_ref
-            if hidden_ref is None:
-                inputs.append(self.hidden)
-                hidden_ref = Ref("reduce", len(inputs) - 1)
-            return hidden_ref
+            return Ref(RefKind.REDUCE, inputs.index(arg))
 
         for k, out in enumerate(outputs):
-            flat = out.flat_tokens
+            flat, read = out.flat_tokens, Ref(RefKind.OUTPUT, k)
             if out.after_tiles is not None:
-                how, *operands = out.after_tiles
-                operands = [external(a) if isinstance(a, torch.fx.Node) else a for a in operands]
-                steps.append(
-                    self.step(
-                        out.node, _after_tiles, (Ref("output", k), how, hidden_input(), flat, *operands)
-                    )
-                )
+                try:
+                    operands = [external(a) for a in out.after_tiles.operands]
+                except NoMatch:  # labels or class weights computed from the logits
+                    return None
+                args = (read, out.after_tiles.how, hidden, flat, *operands)
+                steps.append(self.step(out.node, _after_tiles, args))
             else:
-                steps.append(self.step(out.node, _restore, (Ref("output", k), hidden_input(), flat)))
-            env[out.node] = Ref("value", len(steps) - 1)
+                steps.append(self.step(out.node, _restore, (read, hidden, flat)))
+            env[out.node] = Ref(RefKind.VALUE, len(steps) - 1)
             if out.differentiable:
                 linear.add(out.node)
         nodes = []
         for node in self.graph.nodes:
-            if node in env or not any(a in linear for a in node.all_input_nodes):
+            if node in env or not _linear_in(node, linear):
+                continue
+            if any(a in env and a not in linear for a in node.all_input_nodes):
+                # a factor computed from the logits (argmax, a count of correct tokens): the
+                # token weights, derived before the tiles run, would not know its value
                 continue
             try:
-                step = self._linear_step(node, env, linear, external)
-            except NoMatch:
+                args = [external(a) for a in node.args]
+                kwargs = [(k, external(v)) for k, v in node.kwargs.items()]
+            except NoMatch:  # it reads the logits otherwise, or a tensor that needs a gradient
                 continue
-            steps.append(step)
-            env[node] = Ref("value", len(steps) - 1)
+            steps.append(self.step(node, node.target, args, kwargs, node.op))
+            env[node] = Ref(RefKind.VALUE, len(steps) - 1)
             linear.add(node)
             nodes.append(node)
         members = set(nodes) | {o.node for o in diff}
@@ -843,41 +636,33 @@ class _Matcher:
             return None
         return nodes, steps, sink, inputs, env[sink].index
 
-    def _linear_step(self, node, env, linear, external) -> Step:
-        """A token reduction or combination linear in the differentiable outputs, as a step."""
-        if _rules.rule_for(node) is None or node.op not in ("call_function", "call_method"):
-            raise NoMatch("no rule")
-        name = _rules.op_name(node).strip("_").removeprefix("i")
-        dependent = [a for a in node.args if isinstance(a, torch.fx.Node) and a in linear]
-        if any(isinstance(v, torch.fx.Node) and v in linear for v in node.kwargs.values()):
-            raise NoMatch("keyword operand")
-        if name in ("sum", "mean", "view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "neg",
-                    "float", "double", "to", "type", "getitem"):  # fmt: skip
-            if node.args[0] not in linear or len(dependent) != 1:
-                raise NoMatch("not linear")
-            if name in ("to", "type") and any(not isinstance(a, torch.dtype) for a in node.args[1:]):
-                raise NoMatch("not a dtype cast")
-        elif name in ("mul", "rmul"):
-            if len(dependent) != 1:
-                raise NoMatch("a product of two outputs")
-        elif name in ("truediv", "div"):
-            if (
-                len(dependent) != 1
-                or node.args[0] not in linear
-                or node.kwargs.get("rounding_mode") is not None
-            ):
-                raise NoMatch("not linear")
-        elif name not in ("add", "sub", "radd", "rsub"):
-            raise NoMatch("not linear")
-        if name.startswith("i") or (isinstance(node.target, str) and node.target.endswith("_")):
-            raise NoMatch("in place")
-        if any(isinstance(a, torch.fx.Node) and a in env and a not in linear for a in node.args):
-            # a factor computed from the logits (argmax, a count of correct tokens): the token
-            # weights, derived before the tiles run, would not know its value
-            raise NoMatch("reads a non-differentiable output")
-        args = [env[a] if isinstance(a, torch.fx.Node) and a in env else external(a) for a in node.args]
-        kwargs = [(k, external(v)) for k, v in node.kwargs.items()]
-        return self.step(node, node.target, args, kwargs, node.op)
+
+#: token reductions and regroupings, linear in their first operand
+_LINEAR_IN_FIRST = {"sum", "mean", "view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "neg",
+                    "float", "double", "to", "type", "getitem"}  # fmt: skip
+
+
+def _linear_in(node: torch.fx.Node, linear: set[torch.fx.Node]) -> bool:
+    """Whether ``node`` is linear in the values of ``linear`` it reads (phase 4): a token reduction,
+    a regrouping, a dtype cast, a sum, or a product or quotient by something else; not in place."""
+    if not any(a in linear for a in node.all_input_nodes) or _rules.rule_for(node) is None:
+        return False
+    if isinstance(node.target, str) and node.target.endswith("_"):
+        return False
+    name = target_name(node.target).strip("_").removeprefix("i")
+    dependent = [a for a in node.args if isinstance(a, torch.fx.Node) and a in linear]
+    first = bool(node.args) and node.args[0] in linear
+    if any(isinstance(v, torch.fx.Node) and v in linear for v in node.kwargs.values()):
+        return False
+    if name in ("to", "type") and any(not isinstance(a, torch.dtype) for a in node.args[1:]):
+        return False
+    if name in _LINEAR_IN_FIRST:
+        return first and len(dependent) == 1
+    if name in ("mul", "rmul"):
+        return len(dependent) == 1
+    if name in ("truediv", "div"):
+        return first and len(dependent) == 1 and node.kwargs.get("rounding_mode") is None
+    return name in ("add", "sub", "radd", "rsub")
 
 
 def match_row_region(
@@ -890,15 +675,34 @@ def match_row_region(
         return None
     if linear is None:
         return None
-    matcher = _Matcher(graph, projection, linear, autocast_states or _autocast_states(graph), drop_rows)
+    matcher = RegionMatcher(graph, projection, linear, autocast_states or _autocast_states(graph), drop_rows)
     try:
         matcher.walk()
         outputs = matcher.collect_outputs()
+        return None if outputs is None else _build_region(matcher, outputs)
     except NoMatch as why:
         why.depends = matcher.depends  # the skip replaces the reports of the losses it holds
         raise
-    if outputs is None:
-        return None
+
+
+def first_stop(
+    graph: torch.fx.Graph, projection: torch.fx.Node, readers: list[torch.fx.Node]
+) -> NoMatch | None:
+    """Why the region of ``projection`` does not reach through ``readers`` (a path from its
+    logits, in graph order): the reason of the first reader outside it, or the region's own."""
+    try:
+        matcher = RegionMatcher(graph, projection, as_linear(projection), _autocast_states(graph), False)
+        matcher.walk()
+        stopped = next((matcher.outside[r] for r in readers if r in matcher.outside), None)
+        if stopped is None:
+            matcher.collect_outputs()  # raises the region's own reason, if it has one
+        return stopped
+    except NoMatch as why:
+        return why
+
+
+def _build_region(matcher: RegionMatcher, outputs: list[RegionOutput]) -> RowRegion:
+    """Phases 4 and 5: the scalar loss, then the program registered and the region's record."""
     reduction = matcher.scalar_loss(outputs)
     steps_text = [matcher.head_form if matcher.autocast_dtype is None
                   else f"autocast({str(matcher.autocast_dtype)[6:]}) {matcher.head_form}"]  # fmt: skip
@@ -907,11 +711,11 @@ def match_row_region(
     in_loss, sink = (set(reduction[0]), reduction[2]) if reduction is not None else (set(), None)
 
     def zeros(o):  # where the output is zero whatever the logits: tokens the tiles may skip
-        return matcher.zeros.get(o.value) if o.layout.kind != "rows" else None
+        return matcher.zeros.get(o.value) if o.shape.layout is not Layout.ROWS else None
 
     program_outputs = tuple(
-        Output(o.value, o.layout.kind, val(o.node).dtype, o.differentiable and o.layout.kind != "rows",
-               zeros=zeros(o),
+        Output(o.value, o.shape.layout, val(o.node).dtype,
+               o.differentiable and o.shape.layout is not Layout.ROWS, zeros=zeros(o),
                only_loss=o.node is sink or bool(in_loss) and all(u in in_loss for u in o.node.users))
         for o in outputs
     )  # fmt: skip
@@ -921,47 +725,29 @@ def match_row_region(
         reduction_program = ReductionProgram(tuple(steps), result, val(sink).dtype)
     steps, vocab_size, shard = tuple(matcher.steps), int(matcher.vocab), None
     if matcher.shard is not None:
-        if any(o.layout.kind == "rows" for o in outputs):
+        if any(o.shape.layout is Layout.ROWS for o in outputs):
             raise NoMatch("logits returned from a vocabulary-sharded head are not tiled in tensor-parallel "
                           "form yet")  # fmt: skip
         steps = tuple(_shard_program_steps(matcher))
         vocab_size = matcher.shard[2]
         shard = (matcher.shard[0], matcher.shard[1], int(matcher.vocab))
+    token_layouts = {(): Layout.TOKENS, (1,): Layout.TOKENS1}
     program = _region.register(RowProgram(
-        steps=steps,
-        outputs=program_outputs,
-        vocab_size=vocab_size,
-        shard=shard,
-        token_layouts=tuple(
-            {(): "tokens", (1,): "tokens1"}.get(t.part, "rows") for t in matcher.token_inputs
-        ),
-        num_row_inputs=len(matcher.row_inputs),
-        has_bias=matcher.bias is not None,
-        index_checks=tuple(matcher.index_checks),
-        reduction=reduction_program,
-        form=" -> ".join(steps_text),
+        steps=steps, outputs=program_outputs, vocab_size=vocab_size, shard=shard,
+        token_layouts=tuple(token_layouts.get(t.part, Layout.ROWS) for t in matcher.token_inputs),
+        num_row_inputs=len(matcher.row_inputs), has_bias=matcher.bias is not None,
+        index_checks=tuple(matcher.index_checks), reduction=reduction_program, form=" -> ".join(steps_text),
     ))  # fmt: skip
-    region = RowRegion(
-        projection=projection,
-        hidden=matcher.hidden,
-        weight=matcher.weight,
-        bias=matcher.bias,
+    nodes, _, sink, reduce_inputs, _ = reduction or ([], None, None, [], None)
+    return RowRegion(
+        projection=matcher.projection, hidden=matcher.hidden, weight=matcher.weight, bias=matcher.bias,
         autocast_dtype=matcher.autocast_dtype,
-        nodes=[matcher.transpose, projection, *matcher.nodes] if matcher.transpose is not None
-        else [projection, *matcher.nodes],
-        token_inputs=matcher.token_inputs,
-        row_inputs=matcher.row_inputs,
-        outputs=outputs,
-        program=program,
-        steps_text=steps_text,
+        nodes=[n for n in (matcher.transpose, matcher.projection) if n is not None] + matcher.nodes,
+        token_inputs=matcher.token_inputs, row_inputs=matcher.row_inputs, outputs=outputs, program=program,
+        reduction_nodes=nodes, sink=sink, reduce_inputs=reduce_inputs, steps_text=steps_text,
+        dropped=matcher.dropped, kept_whole=matcher.kept_whole, slices=matcher.slices,
+        num_tokens=matcher.num_tokens,
     )  # fmt: skip
-    region.dropped = matcher.dropped
-    region.kept_whole = matcher.kept_whole
-    region.slices = matcher.slices
-    region.num_tokens = matcher.num_tokens
-    if reduction is not None:
-        region.reduction_nodes, _, region.sink, region.reduce_inputs, _ = reduction
-    return region
 
 
 # ------------------------------------------------------------------------------ rewrite
@@ -977,14 +763,10 @@ def _to_hoist(graph: torch.fx.Graph, nodes, point: torch.fx.Node, autocast_state
         if not isinstance(node, torch.fx.Node) or order[node] < order[point] or node in moving:
             return
         if _rules.rule_for(node) is None and node.target != "expand":
-            raise NoMatch(
-                f"{describe(node)} is computed after the logits are first read and cannot be moved before "
-                "the tiled region; compute it before the LM head"
-            )
+            raise NoMatch("{} is computed after the logits are first read and cannot be moved before the "
+                          "tiled region; compute it before the LM head", node)  # fmt: skip
         if autocast_states.get(node, ()) != autocast_states.get(point, ()):
-            raise NoMatch(
-                f"{describe(node)} is computed in another autocast context than the region's first reader"
-            )
+            raise NoMatch("{} is computed in another autocast context than the region's first reader", node)
         for arg in node.all_input_nodes:
             need(arg)
         moving.append(node)
@@ -1037,18 +819,11 @@ def rewrite_row_region(
         ]
         if region.program.shard is not None and hasattr(val(region.weight), "device_mesh"):  # DTensors
             from tile_pass._distributed import run_sharded_region as run_region
+        reduce_nodes = [tokens if n is region.hidden else n for n in region.reduce_inputs]
         call = graph.call_function(
-            run_region,
-            (
-                hidden,
-                weight,
-                bias,
-                token_nodes,
-                row_nodes,
-                [tokens if n is region.hidden else n for n in region.reduce_inputs],
-            ),  # fmt: skip
+            run_region, (hidden, weight, bias, token_nodes, row_nodes, reduce_nodes),
             {"program": region.program.key, "tile_tokens": tile_tokens, "compile_tiles": compile_tiles},
-        )
+        )  # fmt: skip
         offset = 1 if economy else 0
         restored = {}
         for k, out in enumerate(region.outputs):
@@ -1056,8 +831,10 @@ def rewrite_row_region(
                 continue
             flat = graph.call_function(operator.getitem, (call, k + offset))
             if out.after_tiles is not None:
-                how, *operands = out.after_tiles
-                value = graph.call_function(_after_tiles, (flat, how, tokens, out.flat_tokens, *operands))
+                after = out.after_tiles
+                value = graph.call_function(
+                    _after_tiles, (flat, after.how, tokens, out.flat_tokens, *after.operands)
+                )
             else:
                 value = graph.call_function(_restore, (flat, tokens, out.flat_tokens))
             restored[out.node] = value
@@ -1080,7 +857,7 @@ def rewrite_row_region(
         )
     output = next(n for n in graph.nodes if n.op == "output")
     outputs = list(output.args[0])
-    returned = [o for o in region.outputs if o.layout.kind == "rows"]
+    returned = [o for o in region.outputs if o.shape.layout is Layout.ROWS]
     if returned or region.dropped:
         if result.num_outputs == 0:
             result.num_outputs = len(outputs)

@@ -1,33 +1,23 @@
 """Which ops act on each token's row of logits independently: one rule per op.
 
 A region may contain an op only if a rule here proves that the op, run on a tile of rows,
-gives those rows' slice of what it gives on all of them. The table is keyed by the node's
-target as Dynamo records it (a torch function, an ``operator`` function, or a method
-name), in the spirit of Inductor's per-op lowering tables. Each rule checks the node's
-arguments (the reduced dimension is the vocabulary, an index is per-token, ...) and
-returns the :class:`~tile_pass._region.Step` to replay on a tile, or raises
-:class:`NoMatch` naming what it found. Anything without a rule stops the region.
+gives those rows' slice of what it gives on all of them. Rules are registered per op with
+:func:`register_rule` (as Inductor's AutoChunker registers its per-op propagation rules) in
+one table keyed by the node's target as Dynamo records it: a torch function, an ``operator``
+function, or a method name. A rule takes the matcher and the node, checks the node's
+arguments (the reduced dimension is the vocabulary, an index is per-token, ...) and returns
+the :class:`Classified` steps to replay on a tile, or raises :class:`NoMatch` naming what it
+found. Anything without a rule stops the region.
 
-Kinds of rule:
-
-* ``elementwise``: unary and binary maths, comparisons, ``where``, casts (no device move);
-  tensor operands are per-token (sliced per tile) or shared by every row (0-d, ``[V]``);
-* ``inplace``: ``x += b``, ``x.mul_(s)``, ...: replayed out of place when nothing else reads ``x``;
-* ``view``: ``view``/``reshape``/``flatten``/``contiguous``/``squeeze(-1)``/``unsqueeze(-1)``
-  that only regroup the token dimensions;
-* ``vocab_reduction``: ``sum``/``mean``/``logsumexp``/``amax``/``amin``/``argmax``/``argmin``/
-  ``max``/``min`` over the vocabulary dimension; ``sum``/``mean`` over everything are split
-  into a row sum and a token reduction after the tiles;
-* ``normalize``: ``softmax``/``log_softmax`` over the vocabulary dimension;
-* ``gather``: ``gather(-1, ids)`` with one per-token index;
-* ``loss``: ``cross_entropy``/``nll_loss`` on ``[tokens, V]`` (any reduction: a mean is the
-  per-token losses summed after the tiles over eager's denominator) and ``kl_div``.
+The kinds of rule are :class:`RuleKind`'s.
 """
 
 from __future__ import annotations
 
+import enum
 import inspect
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,77 +25,107 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tile_pass._region import Step
+from tile_pass._fx import NoMatch, numel, same, same_shape, val
+from tile_pass._region import Layout, Ref, RefKind, Step, row_part, target_name
 
 
-class NoMatch(Exception):
-    """Raised with the plain-language reason a candidate cannot be rewritten exactly."""
+class RuleKind(enum.Enum):
+    """What a rule proves of its op; the loop folder (:mod:`tile_pass._fold_loops`) reads it too.
+
+    * ``ELEMENTWISE``: unary and binary maths, comparisons, ``where``, casts (no device move);
+      tensor operands are per-token (sliced per tile) or shared by every row (0-d, ``[V]``);
+    * ``INPLACE``: ``x += b``, ``x.mul_(s)``, ...: replayed out of place when nothing else reads ``x``;
+    * ``VIEW``: ``view``/``reshape``/``flatten``/``contiguous``/``squeeze(-1)``/``unsqueeze(-1)``
+      that only regroup the token dimensions;
+    * ``VOCAB_REDUCTION``: ``sum``/``mean``/``logsumexp``/``amax``/``amin``/``argmax``/``argmin``/
+      ``max``/``min`` over the vocabulary dimension; ``sum``/``mean`` over everything are split
+      into a row sum and a token reduction after the tiles;
+    * ``NORMALIZE``: ``softmax``/``log_softmax`` over the vocabulary dimension;
+    * ``GATHER``: ``gather(-1, ids)`` with one per-token index;
+    * ``GETITEM``: the values or the indices of ``max(dim)``/``min(dim)``;
+    * ``LOSS``: ``cross_entropy``/``nll_loss`` on ``[tokens, V]`` (any reduction: a mean is the
+      per-token losses summed after the tiles over eager's denominator) and ``kl_div``.
+    """
+
+    ELEMENTWISE, INPLACE, VIEW, VOCAB_REDUCTION, NORMALIZE, GATHER, GETITEM, LOSS = range(8)
 
 
 @dataclass(frozen=True)
-class Layout:
-    """A value of the region: ``kind`` in ``_region.LAYOUTS`` (or ``"tuple"`` for ``max(dim)``),
-    ``tokens`` the token dimensions it has in the user's graph."""
+class Shape:
+    """A value of the region as the matcher tracks it: its layout in a tile, and the token
+    dimensions it has in the user's graph; ``max(dim)``'s pair has its items' layout too."""
 
-    kind: str
+    layout: Layout
     tokens: tuple
+    item: Layout | None = None
+
+    def __post_init__(self):
+        if (self.layout is Layout.TUPLE) != (self.item is not None):
+            raise ValueError(f"{self}: only a tuple has an item layout, and it must")
+
+
+class TokenReduction(enum.Enum):
+    """A token reduction an op folds in, finished after the tiles; the value is the report's name."""
+
+    SUM = "sum"
+    DIV_ELEMENTS = "div_elements"  # a mean over the tokens and the vocabulary
+    DIV_TOKENS = "div_tokens"
+    DIV_FIRST_DIM = "div_first_dim"  # kl_div's batchmean: the input's first dimension
+    MEAN_VALID = "mean_valid"  # eager's denominator: the labelled tokens (class-weighted)
+
+
+@dataclass(frozen=True)
+class AfterTiles:
+    """What the tiles leave to do for an op that also reduces over the tokens, and what that
+    takes after the per-token values: the vocabulary size (``DIV_ELEMENTS``); the labels, the
+    class weights and ``ignore_index`` (``MEAN_VALID``)."""
+
+    how: TokenReduction
+    operands: tuple = ()
+
+    def __post_init__(self):
+        wanted = {TokenReduction.DIV_ELEMENTS: 1, TokenReduction.MEAN_VALID: 3}.get(self.how, 0)
+        if len(self.operands) != wanted:
+            raise ValueError(f"{self.how} takes {wanted} operands, not {self.operands}")
+
+
+@dataclass(frozen=True)
+class Classified:
+    """What a rule made of a node: the step to replay, the value's shape, and for a reduction
+    that also sums over tokens, what the tiles leave to do after them."""
+
+    step: Step
+    shape: Shape
+    after_tiles: AfterTiles | None = None
+
+
+#: an operand of a rule's second step: the value of its first (the walk numbers it)
+PREVIOUS_STEP = Ref(RefKind.VALUE, -1)
+
+#: a rule: (the ``_region_match.RegionMatcher``, the node) -> its steps, or ``NoMatch``
+ClassifyFn = Callable[[Any, torch.fx.Node], list[Classified]]
 
 
 @dataclass(frozen=True)
 class Rule:
-    kind: str
-    #: the out-of-place op an in-place one is replayed as
-    out_of_place: Any = None
+    kind: RuleKind
+    classify: ClassifyFn
 
-
-@dataclass
-class Classified:
-    """What a rule made of a node: the step to replay, the value's layout, and for a reduction
-    that also sums over tokens, what the tiles leave to do after them (see ``_region_match``)."""
-
-    step: Step
-    layout: Layout
-    #: ("sum",) | ("mean_valid", target, class_weight, ignore_index) | ("div_tokens",) | ("div_elements",)
-    after_tiles: tuple | None = None
-
-
-_UNARY = ["tanh", "exp", "log", "neg", "abs", "sigmoid", "sqrt", "rsqrt", "square", "log1p", "expm1",
-          "exp2", "relu", "clamp", "clip", "nan_to_num", "logical_not", "isnan", "isfinite", "isinf", "sign",
-          "reciprocal", "detach", "softplus", "logsigmoid", "float", "double", "half", "bfloat16", "to",
-          "type"]  # fmt: skip
-_BINARY = ["add", "sub", "mul", "div", "true_divide", "pow", "eq", "ne", "lt", "le", "gt", "ge", "maximum",
-           "minimum", "logical_and", "logical_or", "where", "masked_fill", "xlogy", "rsub"]  # fmt: skip
-_REDUCTIONS = ["sum", "mean", "logsumexp", "amax", "amin", "argmax", "argmin", "max", "min"]
 
 RULES: dict[Any, Rule] = {}
-for _name in _UNARY + _BINARY:
-    RULES[_name] = Rule("elementwise")
-    for _module in (torch, torch.special, F):
-        if hasattr(_module, _name) and _name not in ("float", "double", "half", "bfloat16", "to", "type"):
-            RULES.setdefault(getattr(_module, _name), Rule("elementwise"))
-for _name in ("add", "sub", "mul", "truediv", "pow", "eq", "ne", "lt", "le", "gt", "ge", "neg", "abs",
-              "and_", "or_"):  # fmt: skip
-    RULES[getattr(operator, _name)] = Rule("elementwise")
-for _dunder in ("add", "sub", "mul", "truediv", "pow", "neg", "radd", "rsub", "rmul", "rtruediv", "eq", "ne",
-                "lt", "le", "gt", "ge"):  # fmt: skip
-    RULES[f"__{_dunder}__"] = Rule("elementwise")
-for _name, _target in (("iadd", operator.add), ("isub", operator.sub), ("imul", operator.mul),
-                       ("itruediv", operator.truediv)):  # fmt: skip
-    RULES[getattr(operator, _name)] = Rule("inplace", _target)
-for _name in ("add", "sub", "mul", "div", "clamp", "tanh", "exp", "neg", "masked_fill", "pow", "clip"):
-    RULES[f"{_name}_"] = Rule("inplace", _name)
-for _name in ("view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze", torch.reshape,
-              torch.flatten, torch.squeeze, torch.unsqueeze):  # fmt: skip
-    RULES[_name] = Rule("view")
-for _name in _REDUCTIONS:
-    RULES[_name] = Rule("vocab_reduction")
-    RULES[getattr(torch, _name)] = Rule("vocab_reduction")
-for _target in ("softmax", "log_softmax", F.softmax, F.log_softmax, torch.softmax, torch.log_softmax):
-    RULES[_target] = Rule("normalize")
-RULES["gather"] = RULES[torch.gather] = Rule("gather")
-RULES[operator.getitem] = Rule("getitem")
-for _target in (F.cross_entropy, F.nll_loss, F.kl_div):
-    RULES[_target] = Rule("loss")
+
+
+def register_rule(kind: RuleKind, *targets) -> Callable[[ClassifyFn], ClassifyFn]:
+    """Make the decorated function the rule of each of ``targets``."""
+
+    def register(classify: ClassifyFn) -> ClassifyFn:
+        for target in targets:
+            if target in RULES and RULES[target].kind is not kind:
+                raise ValueError(f"{target!r} already has a {RULES[target].kind} rule")
+            RULES[target] = Rule(kind, classify)
+        return classify
+
+    return register
 
 
 def rule_for(node: torch.fx.Node) -> Rule | None:
@@ -117,44 +137,28 @@ def rule_for(node: torch.fx.Node) -> Rule | None:
         return None
 
 
-def describe(node: torch.fx.Node) -> str:
-    from tile_pass.report import source_line
-
-    if node.op == "output":
-        return "the graph output"
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    return f"`{'.' + name + '()' if node.op == 'call_method' else name}` at {source_line(node)}"
-
-
 # ------------------------------------------------------------------------ argument binding
 
+_SUM_SIGNATURE = inspect.Signature.from_callable(lambda input, dim=None, keepdim=False, *, dtype=None: None)
+_AMAX_SIGNATURE = inspect.Signature.from_callable(lambda input, dim=(), keepdim=False: None)
 _REDUCTION_SIGNATURES = {
-    "sum": inspect.Signature.from_callable(lambda input, dim=None, keepdim=False, *, dtype=None: None),
-    "mean": inspect.Signature.from_callable(lambda input, dim=None, keepdim=False, *, dtype=None: None),
+    "sum": _SUM_SIGNATURE, "mean": _SUM_SIGNATURE, "amax": _AMAX_SIGNATURE, "amin": _AMAX_SIGNATURE,
     "logsumexp": inspect.Signature.from_callable(lambda input, dim, keepdim=False: None),
-    "amax": inspect.Signature.from_callable(lambda input, dim=(), keepdim=False: None),
-    "amin": inspect.Signature.from_callable(lambda input, dim=(), keepdim=False: None),
-    "argmax": inspect.Signature.from_callable(lambda input, dim=None, keepdim=False: None),
-    "argmin": inspect.Signature.from_callable(lambda input, dim=None, keepdim=False: None),
-    "max": inspect.Signature.from_callable(lambda input, dim=None, keepdim=False: None),
-    "min": inspect.Signature.from_callable(lambda input, dim=None, keepdim=False: None),
-}
+    **dict.fromkeys(("argmax", "argmin", "max", "min"),
+                    inspect.Signature.from_callable(lambda input, dim=None, keepdim=False: None)),
+}  # fmt: skip
 _NORMALIZE_SIGNATURE = inspect.Signature.from_callable(
     lambda input, dim=None, _stacklevel=3, dtype=None: None
 )
 _GATHER_SIGNATURE = inspect.Signature.from_callable(lambda input, dim, index, *, sparse_grad=False: None)
-_LOSS_SIGNATURES = {target: inspect.signature(target) for target in (F.cross_entropy, F.nll_loss, F.kl_div)}
-
-
-def op_name(node: torch.fx.Node) -> str:
-    return node.target if isinstance(node.target, str) else node.target.__name__
+LOSS_SIGNATURES = {target: inspect.signature(target) for target in (F.cross_entropy, F.nll_loss, F.kl_div)}
 
 
 def bind(signature: inspect.Signature, node: torch.fx.Node) -> dict:
     try:
         bound = signature.bind(*node.args, **node.kwargs)
     except TypeError as err:
-        raise NoMatch(f"{describe(node)} was called with arguments its signature rejects ({err})") from None
+        raise NoMatch("{} was called with arguments its signature rejects ({})", node, err) from None
     bound.apply_defaults()
     return dict(bound.arguments)
 
@@ -165,20 +169,253 @@ def is_vocab_dim(dim, ndim: int) -> bool:
     return isinstance(dim, int) and not isinstance(dim, bool) and dim % ndim == ndim - 1
 
 
-def reduction_options(node: torch.fx.Node) -> dict:
-    return bind(_REDUCTION_SIGNATURES[op_name(node)], node)
-
-
-def normalize_options(node: torch.fx.Node) -> dict:
-    return bind(_NORMALIZE_SIGNATURE, node)
-
-
-def gather_options(node: torch.fx.Node) -> dict:
-    return bind(_GATHER_SIGNATURE, node)
-
-
 def loss_options(node: torch.fx.Node) -> dict:
-    options = bind(_LOSS_SIGNATURES[node.target], node)
+    options = bind(LOSS_SIGNATURES[node.target], node)
     if options.get("size_average") is not None or options.get("reduce") is not None:
-        raise NoMatch(f"{describe(node)} uses the deprecated size_average/reduce arguments; pass reduction=")
+        raise NoMatch("{} uses the deprecated size_average/reduce arguments; pass reduction=", node)
     return options
+
+
+def _rows_operand(matcher, node: torch.fx.Node, source=None) -> tuple[Ref, Shape]:
+    """The region value an op over rows takes first (``source``, if bound already), and its shape."""
+    source = source if source is not None else node.args[0] if node.args else None
+    shape = matcher.shape_of(source)
+    if shape is None or shape.layout in (Layout.REDUCED, Layout.TUPLE):
+        raise NoMatch("{} does not take the logits as its first operand", node)
+    return matcher.value_ref(source), shape
+
+
+# ------------------------------------------------------------------------------ rules
+
+_UNARY = ["tanh", "exp", "log", "neg", "abs", "sigmoid", "sqrt", "rsqrt", "square", "log1p", "expm1",
+          "exp2", "relu", "clamp", "clip", "nan_to_num", "logical_not", "isnan", "isfinite", "isinf", "sign",
+          "reciprocal", "detach", "softplus", "logsigmoid", "float", "double", "half", "bfloat16", "to",
+          "type"]  # fmt: skip
+_BINARY = ["add", "sub", "mul", "div", "true_divide", "pow", "eq", "ne", "lt", "le", "gt", "ge", "maximum",
+           "minimum", "logical_and", "logical_or", "where", "masked_fill", "xlogy", "rsub"]  # fmt: skip
+_CASTS = ("float", "double", "half", "bfloat16", "to", "type")  # methods only
+_OPERATORS = ("add", "sub", "mul", "truediv", "pow", "eq", "ne", "lt", "le", "gt", "ge", "neg", "abs", "and_",
+              "or_")  # fmt: skip
+_DUNDERS = ("add", "sub", "mul", "truediv", "pow", "neg", "radd", "rsub", "rmul", "rtruediv", "eq", "ne",
+            "lt", "le", "gt", "ge")  # fmt: skip
+_ELEMENTWISE = (
+    *_UNARY, *_BINARY,
+    *(getattr(module, name) for name in _UNARY + _BINARY if name not in _CASTS
+      for module in (torch, torch.special, F) if hasattr(module, name)),
+    *(getattr(operator, name) for name in _OPERATORS), *(f"__{name}__" for name in _DUNDERS),
+)  # fmt: skip
+#: an in-place op -> the out-of-place op it is replayed as
+_OUT_OF_PLACE = {
+    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
+    operator.itruediv: operator.truediv,
+    **{f"{name}_": name for name in ("add", "sub", "mul", "div", "clamp", "tanh", "exp", "neg", "masked_fill",
+                                     "pow", "clip")},
+}  # fmt: skip
+
+
+@register_rule(RuleKind.ELEMENTWISE, *_ELEMENTWISE)
+def _elementwise(matcher, node: torch.fx.Node, target=None) -> list[Classified]:
+    out = val(node)
+    if not isinstance(out, torch.Tensor):
+        raise NoMatch("{} does not give a tensor", node)
+    inputs = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
+    shapes = [matcher.shape_of(a) for a in inputs if matcher.shape_of(a) is not None]
+    layouts = {shape.layout for shape in shapes}
+    if Layout.REDUCED in layouts or Layout.TUPLE in layouts or not shapes:
+        raise NoMatch("{} reads a value reduced over the tokens", node)
+    if len(layouts) > 1 and layouts != {Layout.ROWS, Layout.TOKENS1}:
+        raise NoMatch("{} combines per-token values of different layouts", node)
+    layout = Layout.ROWS if Layout.ROWS in layouts else layouts.pop()
+    tokens = shapes[0].tokens
+    if any(not same_shape(shape.tokens, tokens) for shape in shapes):
+        raise NoMatch("{} combines values with different token dimensions", node)
+    shape = Shape(layout, tokens)
+    if not same_shape(tuple(out.shape), (*tokens, *row_part(layout, matcher.vocab))):
+        raise NoMatch("{} changes the shape of the logits' rows", node)
+    if out.device.type != matcher.device_type:
+        raise NoMatch("{} moves the logits to another device", node)
+    if target_name(node.target) in ("to", "type") and any(
+        isinstance(a, (torch.fx.Node, torch.device, str)) for a in node.args[1:]
+    ):
+        raise NoMatch("{} casts with a device or a tensor; only a dtype cast is replayed", node)
+    args = [matcher.operand(a, shape, node) for a in node.args]
+    kwargs = [(k, matcher.operand(v, shape, node)) for k, v in node.kwargs.items()]
+    return [Classified(matcher.step(node, target or node.target, args, kwargs, node.op), shape)]
+
+
+@register_rule(RuleKind.INPLACE, *_OUT_OF_PLACE)
+def _inplace(matcher, node: torch.fx.Node) -> list[Classified]:
+    mutated = node.args[0]
+    if not isinstance(mutated, torch.fx.Node) or matcher.shape_of(mutated) is None:
+        raise NoMatch("{} writes into a tensor from outside the region", node)
+    if len(mutated.users) != 1:
+        raise NoMatch("{} changes the logits in place while other code also reads them", node)
+    return _elementwise(matcher, node, _OUT_OF_PLACE[node.target])
+
+
+@register_rule(RuleKind.VIEW, "view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze",
+               torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze)  # fmt: skip
+def _view(matcher, node: torch.fx.Node) -> list[Classified]:
+    source, shape = _rows_operand(matcher, node)
+    if target_name(node.target) == "contiguous":
+        return [Classified(matcher.step(node, "contiguous", (source,), op="call_method"), shape)]
+    sizes = tuple(val(node).shape)
+    count = numel(shape.tokens)
+    if shape.layout is Layout.ROWS:
+        if not (sizes and same(sizes[-1], matcher.vocab) and same(numel(sizes[:-1]), count)):
+            raise NoMatch("{} reshapes across the vocabulary dimension", node)
+        new = Shape(Layout.ROWS, sizes[:-1])
+    elif sizes and same(sizes[-1], 1) and same(numel(sizes[:-1]), count) and len(sizes) > 1:
+        new = Shape(Layout.TOKENS1, sizes[:-1])
+    elif same(numel(sizes), count):
+        new = Shape(Layout.TOKENS, sizes)
+    else:
+        raise NoMatch("{} reshapes across the tokens", node)
+    matcher.flat_tokens(new.tokens)
+    args = (source, -1, *row_part(new.layout, matcher.vocab))
+    return [Classified(matcher.step(node, "reshape", args, op="call_method"), new)]
+
+
+@register_rule(RuleKind.VOCAB_REDUCTION, *_REDUCTION_SIGNATURES,
+               *(getattr(torch, name) for name in _REDUCTION_SIGNATURES))  # fmt: skip
+def _vocab_reduction(matcher, node: torch.fx.Node) -> list[Classified]:
+    source, shape = _rows_operand(matcher, node)
+    name = target_name(node.target)
+    options = bind(_REDUCTION_SIGNATURES[name], node)
+    dim = options["dim"]
+    if shape.layout is not Layout.ROWS:
+        raise NoMatch("{} reduces over the tokens", node)
+    if dim is None or dim == () or dim == []:
+        if name not in ("sum", "mean") or options.get("dtype") is not None:
+            raise NoMatch("{} reduces over the tokens and the vocabulary at once", node)
+        if val(node.args[0]).dtype not in (torch.float32, torch.float64):
+            raise NoMatch("{} sums half-precision logits over all tokens", node)
+        step = matcher.step(node, "sum", (source, -1), op="call_method")
+        how = TokenReduction.SUM if name == "sum" else TokenReduction.DIV_ELEMENTS
+        after = AfterTiles(how, () if name == "sum" else (matcher.vocab,))
+        return [Classified(step, Shape(Layout.TOKENS, shape.tokens), after_tiles=after)]
+    if not is_vocab_dim(dim, len(shape.tokens) + 1):
+        raise NoMatch("{} reduces over the token dimensions", node)
+    keepdim = bool(options["keepdim"])
+    kwargs = (("dtype", options["dtype"]),) if options.get("dtype") is not None else ()
+    item = Layout.TOKENS1 if keepdim else Layout.TOKENS
+    result = Shape(Layout.TUPLE, shape.tokens, item) if name in ("max", "min") else Shape(item, shape.tokens)
+    return [Classified(matcher.step(node, name, (source, -1, keepdim), kwargs, op="call_method"), result)]
+
+
+@register_rule(RuleKind.NORMALIZE, "softmax", "log_softmax", F.softmax, F.log_softmax, torch.softmax,
+               torch.log_softmax)  # fmt: skip
+def _normalize(matcher, node: torch.fx.Node) -> list[Classified]:
+    source, shape = _rows_operand(matcher, node)
+    options = bind(_NORMALIZE_SIGNATURE, node)
+    if shape.layout is not Layout.ROWS or not is_vocab_dim(options["dim"], val(node).dim()):
+        raise NoMatch("{} is not taken over the vocabulary dimension", node)
+    kwargs = (("dtype", options["dtype"]),) if options["dtype"] is not None else ()
+    target = F.log_softmax if "log" in target_name(node.target) else F.softmax
+    return [Classified(matcher.step(node, target, (source, -1), kwargs), shape)]
+
+
+@register_rule(RuleKind.GATHER, "gather", torch.gather)
+def _gather(matcher, node: torch.fx.Node) -> list[Classified]:
+    source, shape = _rows_operand(matcher, node)
+    options = bind(_GATHER_SIGNATURE, node)
+    ndim = len(shape.tokens) + 1
+    if shape.layout is not Layout.ROWS or not is_vocab_dim(options["dim"], ndim):
+        raise NoMatch("{} does not gather along the vocabulary dimension", node)
+    result = Shape(Layout.TOKENS1, shape.tokens)
+    if not same_shape(tuple(val(node).shape), (*shape.tokens, 1)):
+        raise NoMatch("{} gathers more than one id per token", node)
+    index = matcher.operand(options["index"], result, node)
+    if index.kind is RefKind.TOKEN:
+        bounds = (
+            f"index {{}} is out of bounds for dimension {options['dim'] % ndim} with size {matcher.vocab}"
+        )
+        matcher.index_checks.append((index.index, bounds, None))
+    return [Classified(matcher.step(node, torch.gather, (source, -1, index)), result)]
+
+
+@register_rule(RuleKind.GETITEM, operator.getitem)
+def _getitem(matcher, node: torch.fx.Node) -> list[Classified]:
+    shape = matcher.shape_of(node.args[0])
+    if shape is None:
+        raise NoMatch("{} does not take the logits as its first operand", node)
+    if shape.layout is not Layout.TUPLE or not isinstance(node.args[1], int):
+        raise NoMatch(
+            "{} slices the logits' token rows; that is not tiled in a multi-output region yet", node
+        )
+    step = matcher.step(node, operator.getitem, (matcher.value_ref(node.args[0]), node.args[1]))
+    return [Classified(step, Shape(shape.item, shape.tokens))]
+
+
+@register_rule(RuleKind.LOSS, F.cross_entropy, F.nll_loss, F.kl_div)
+def _loss(matcher, node: torch.fx.Node) -> list[Classified]:
+    options = loss_options(node)
+    source, shape = _rows_operand(matcher, node, options["input"])
+    reduction = options["reduction"]
+    if not isinstance(reduction, str) or reduction not in ("none", "sum", "mean", "batchmean"):
+        raise NoMatch("{} has reduction={!r}", node, reduction)
+    if shape.layout is not Layout.ROWS:
+        raise NoMatch("{} does not take [tokens, V] logits", node)
+    if node.target is F.kl_div:
+        return _kl_div(matcher, node, options, source, shape)
+    if reduction == "batchmean":
+        raise NoMatch("{} has reduction='batchmean'", node)
+    if len(shape.tokens) != 1:
+        raise NoMatch("{} takes [B, T, V] logits, whose class dimension is not the last", node)
+    for name, kinds in (("ignore_index", int), ("label_smoothing", (int, float))):
+        value = options.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise NoMatch("{} has a {} that is not a compile-time constant ({!r})", node, name, value)
+    target_node = options["target"]
+    target_val = val(target_node)
+    if target_val is None or matcher.shape_of(target_node) is not None:
+        raise NoMatch("{} takes a target computed from the logits", node)
+    soft = target_val.is_floating_point()
+    if soft and node.target is F.nll_loss:
+        raise NoMatch("nll_loss takes class indices, not class probabilities", node=node)
+    if not soft and target_val.dtype != torch.int64:
+        raise NoMatch("{} has a {} target; eager expects int64", node, target_val.dtype)
+    target = matcher.operand(target_node, Shape(Layout.ROWS if soft else Layout.TOKENS, shape.tokens), node)
+    weight = options.get("weight")
+    kwargs = [("ignore_index", options["ignore_index"]), ("reduction", "none")]
+    if node.target is F.cross_entropy:
+        kwargs.append(("label_smoothing", float(options["label_smoothing"])))
+        if not 0.0 <= options["label_smoothing"] <= 1.0:
+            raise NoMatch("label_smoothing is outside [0, 1]; eager raises for it", node=node)
+    if weight is not None:
+        weight_val = val(weight)
+        if weight_val is None or weight_val.dim() != 1 or not same(weight_val.shape[0], matcher.vocab):
+            raise NoMatch("{} has class weights that are not a [V] tensor", node)
+        kwargs.append(("weight", matcher.operand(weight, shape, node)))
+    step = matcher.step(node, node.target, (source, target), kwargs)
+    if not soft and target.kind is RefKind.TOKEN:
+        matcher.index_checks.append((target.index, "Target {} is out of bounds.", options["ignore_index"]))
+    after = None
+    if reduction == "sum":
+        after = AfterTiles(TokenReduction.SUM)
+    elif reduction == "mean" and soft:
+        after = AfterTiles(TokenReduction.DIV_TOKENS)
+    elif reduction == "mean":
+        after = AfterTiles(TokenReduction.MEAN_VALID, (target_node, weight, options["ignore_index"]))
+    return [Classified(step, Shape(Layout.TOKENS, shape.tokens), after_tiles=after)]
+
+
+def _kl_div(matcher, node, options: dict, source: Ref, shape: Shape) -> list[Classified]:
+    target_shape = matcher.shape_of(options["target"])
+    if target_shape is not None and target_shape.layout is not Layout.ROWS:
+        raise NoMatch("{} compares the logits with a value that is not [tokens, V]", node)
+    target = matcher.operand(options["target"], shape, node)
+    log_target = options["log_target"]
+    if not isinstance(log_target, bool):
+        raise NoMatch("{} has a log_target that is not a constant", node)
+    step = matcher.step(node, F.kl_div, (source, target), (("reduction", "none"), ("log_target", log_target)))
+    reduction = options["reduction"]
+    if reduction == "none":
+        return [Classified(step, shape)]
+    after = {
+        "sum": AfterTiles(TokenReduction.SUM),
+        "mean": AfterTiles(TokenReduction.DIV_ELEMENTS, (matcher.vocab,)),
+        "batchmean": AfterTiles(TokenReduction.DIV_FIRST_DIM),
+    }[reduction]
+    row_sum = matcher.step(node, "sum", (PREVIOUS_STEP, -1), op="call_method")
+    return [Classified(step, shape), Classified(row_sum, Shape(Layout.TOKENS, shape.tokens), after)]

@@ -11,7 +11,6 @@ stops a region, or with why it has no head in this graph.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -25,19 +24,15 @@ except ImportError:  # torch 2.11/2.12: the same unguarded hint, under its older
 
 from tile_pass import _region_match, _rules, _weight_grad
 from tile_pass._fold_loops import fold_row_loops
-from tile_pass._fx import as_linear, val
+from tile_pass._fx import NoMatch, as_linear, describe, val
 from tile_pass._logging import log
 from tile_pass._options import TileOptions
+from tile_pass._region import Layout
 from tile_pass._returned_logits import ReturnedLogits
-from tile_pass._rules import NoMatch, bind, describe
+from tile_pass._rules import LOSS_SIGNATURES, bind
 from tile_pass._tiling import TileSize, choose_tile_tokens, effective_tile, tile_bytes_per_token
 from tile_pass._weight_grad import WeightGradSchedule
 from tile_pass.report import GraphReport, Rewrite, Skip, source_line
-
-_LOSS_SIGNATURES = {
-    F.cross_entropy: inspect.signature(F.cross_entropy),
-    F.nll_loss: inspect.signature(F.nll_loss),
-}
 
 
 @dataclass
@@ -164,7 +159,7 @@ _GRAPH_BREAK = (
 def _why_untiled(loss: torch.fx.Node) -> str:
     """The reason a loss no region took is not tiled: the walk from its input back to the
     LM head names the first op on the way that stops a region (or why there is no head)."""
-    options = bind(_LOSS_SIGNATURES[loss.target], loss)
+    options = bind(LOSS_SIGNATURES[loss.target], loss)
     node = options.get("input")
     path: list[torch.fx.Node] = []
     while True:
@@ -182,9 +177,13 @@ def _why_untiled(loss: torch.fx.Node) -> str:
             return f"the loss input comes from {describe(node)}, not from a linear layer"
         path.append(node)
         node = inputs[0]
-    for reader in reversed(path):  # from the head towards the loss
+    path.reverse()  # from the head towards the loss
+    for reader in path:
         if _rules.rule_for(reader) is None:
             return f"{describe(reader)} has no row-wise rule, so the logits would have to exist whole"
+    stopped = _region_match.first_stop(loss.graph, node, path)
+    if stopped is not None:
+        return str(stopped)
     return f"the LM head at {source_line(node)} reaches the loss, but no row-wise region of it was found"
 
 
@@ -204,6 +203,7 @@ def _rewrite_row_regions(
         if node.graph is None:  # erased by an earlier rewrite
             continue
         current[:] = [node]
+        covered: set[torch.fx.Node] = set()  # the nodes of a matched region
         try:
             region = _region_match.match_row_region(gm.graph, node, states, options.drop_logits)
             if region is None:
@@ -222,8 +222,8 @@ def _rewrite_row_regions(
                 gm.graph, region, tile_tokens=tile, compile_tiles=options.runs_compiled_tiles, result=result,
                 autocast_states=states,
             )  # fmt: skip
-        except NoMatch as why:
-            depends = getattr(why, "depends", set())
+        except NoMatch as why:  # the reason replaces those of the losses it holds
+            depends = why.depends or covered
             held = [loss for loss in losses if loss in depends]
             line = source_line(held[0]) if held else source_line(node)
             losses[:] = [loss for loss in losses if loss not in depends]
@@ -233,7 +233,7 @@ def _rewrite_row_regions(
         num_tokens = region.num_tokens
         tile_now, schedule = _planned_tile(region, num_tokens, tile, dtype, options.compile_tiles)
         itemsize = dtype.itemsize
-        returned = [val(o.node) for o in region.outputs if o.layout.kind == "rows"]
+        returned = [val(o.node) for o in region.outputs if o.shape.layout is Layout.ROWS]
         returned += [val(node) for node in region.kept_whole]
         kept = sum(value.numel() * value.element_size() for value in returned)
         outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
@@ -285,10 +285,10 @@ def _reduction_text(region, covered: set) -> str:
     """The eager reduction of the region's one loss call when that loss is all it computes
     (beside returned logits),
     and whether the op forms the loss's gradient in forward (one scalar) or in backward."""
-    calls = [n for n in covered if n.op == "call_function" and n.target in (*_LOSS_SIGNATURES, F.kl_div)]
+    calls = [n for n in covered if n.op == "call_function" and n.target in LOSS_SIGNATURES]
     eager = None
-    if len(calls) == 1 and [o.node for o in region.outputs if o.layout.kind != "rows"] == calls:
-        options = bind(_LOSS_SIGNATURES.get(calls[0].target, inspect.signature(F.kl_div)), calls[0])
+    if len(calls) == 1 and [o.node for o in region.outputs if o.shape.layout is not Layout.ROWS] == calls:
+        options = bind(LOSS_SIGNATURES[calls[0].target], calls[0])
         eager = options["reduction"] if isinstance(options["reduction"], str) else None
     if region.program.reduction is not None:
         scalar = "one scalar loss (its gradient formed in forward)"
