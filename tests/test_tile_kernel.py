@@ -11,36 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_no_worse_than_eager
-from tile_kernels import V, ce_key, kernel
+from tile_kernels import CASES, V, kernel, key_for
 
 import tile_pass
 from tile_pass import _settings, _tile_buffers, _tile_kernel
 from tile_pass._settings import CPU_GEMM_ENV
 from tile_pass._tile_kernel import TileKernelKey
-from tile_pass._tile_passes.compiled_middle import Compiled
 from tile_pass._tile_passes.onednn_gemms import onednn_gemms_apply
 
 H = 16
-
-
-def key_for(dtype, upcast=False, softcap=None, bias=False, returns_logits=False, compiled=True,
-            need_hidden=True, onednn=False):  # fmt: skip
-    return ce_key(dtype, upcast=upcast, softcap=softcap, bias=bias, returns_logits=returns_logits,
-                  compiled=compiled, need_hidden=need_hidden, onednn=onednn)  # fmt: skip
-
-
-def middle_of(key):
-    middle = kernel(key).get_submodule("submod_1")
-    assert isinstance(middle, Compiled)
-    return middle
-
-
-CASES = {
-    "float32": dict(dtype=torch.float32),
-    "bf16-upcast-bias": dict(dtype=torch.bfloat16, upcast=True, bias=True),
-    "softcap": dict(dtype=torch.float32, softcap=30.0),
-    "no-hidden-grad": dict(dtype=torch.float32, need_hidden=False),
-}
 
 
 def test_tiles_of_a_loop_share_one_logits_buffer(monkeypatch):

@@ -6,7 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tile_kernels import T, V, call, ce_key, graph_calls, kernel, make_inputs, replace, run
+from tile_kernels import (
+    CASES,
+    T,
+    V,
+    call,
+    ce_key,
+    graph_calls,
+    kernel,
+    key_for,
+    make_inputs,
+    middle_of,
+    replace,
+    run,
+)
 
 import tile_pass
 from tile_pass import _tile_buffers, _tile_kernel, _tile_passes, _tiling
@@ -29,25 +42,6 @@ from tile_pass._weight_grad import WeightGradSchedule
 H = 16
 aten = torch.ops.aten
 
-
-def key_for(dtype, upcast=False, softcap=None, bias=False, returns_logits=False, compiled=True,
-            need_hidden=True, onednn=False):  # fmt: skip
-    return ce_key(dtype, upcast=upcast, softcap=softcap, bias=bias, returns_logits=returns_logits,
-                  compiled=compiled, need_hidden=need_hidden, onednn=onednn)  # fmt: skip
-
-
-def middle_of(key):
-    middle = kernel(key).get_submodule("submod_1")
-    assert isinstance(middle, Compiled)
-    return middle
-
-
-CASES = {
-    "float32": dict(dtype=torch.float32),
-    "bf16-upcast-bias": dict(dtype=torch.bfloat16, upcast=True, bias=True),
-    "softcap": dict(dtype=torch.float32, softcap=30.0),
-    "no-hidden-grad": dict(dtype=torch.float32, need_hidden=False),
-}
 
 needs_onednn = pytest.mark.skipif(
     not onednn_gemms_apply(torch.device("cpu")), reason="this torch build has no oneDNN linear"

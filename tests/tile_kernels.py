@@ -178,3 +178,26 @@ def run(key: TileKernelKey, seed=0):
 def graph_calls(graph_module: torch.fx.GraphModule, target) -> list[torch.fx.Node]:
     modules = [m for m in graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
     return [n for m in modules for n in m.graph.nodes if n.target is target]
+
+
+def key_for(dtype, upcast=False, softcap=None, bias=False, returns_logits=False, compiled=True,
+            need_hidden=True, onednn=False):  # fmt: skip
+    return ce_key(dtype, upcast=upcast, softcap=softcap, bias=bias, returns_logits=returns_logits,
+                  compiled=compiled, need_hidden=need_hidden, onednn=onednn)  # fmt: skip
+
+
+def middle_of(key):
+    """The compiled middle of a key's tile function."""
+    from tile_pass._tile_passes.compiled_middle import Compiled
+
+    middle = kernel(key).get_submodule("submod_1")
+    assert isinstance(middle, Compiled)
+    return middle
+
+
+CASES = {
+    "float32": dict(dtype=torch.float32),
+    "bf16-upcast-bias": dict(dtype=torch.bfloat16, upcast=True, bias=True),
+    "softcap": dict(dtype=torch.float32, softcap=30.0),
+    "no-hidden-grad": dict(dtype=torch.float32, need_hidden=False),
+}
