@@ -366,3 +366,38 @@ def test_a_rewrite_that_declines_reports_the_loss_once():
     assert "F.cross_entropy(logits, labels)" in skip.loss_source, str(report)
     assert "`.clone()` at test_inspection.py:" in skip.reason, skip.reason
     assert "cannot be moved" in skip.reason, skip.reason
+
+
+def _masked_ce(h, w, y):
+    return F.cross_entropy(F.linear(h, w), y)
+
+
+def _ce_and_logits(h, w, y):
+    logits = F.linear(h, w)
+    return F.cross_entropy(logits, y), logits
+
+
+def _log_probs(h, w, y):
+    return F.linear(h, w).log_softmax(-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize(
+    "fn, expected",
+    [
+        (
+            _masked_ce,
+            "on CPU, tokens where every output is zero (an ignored label or a zero mask) run no GEMM",
+        ),
+        (_ce_and_logits, "none: linear returns the logits of every token"),
+        (_log_probs, "none: squeeze is read outside the loss and is not zero at an ignored label"),
+    ],
+    ids=["ignored-labels", "returned-logits", "per-token-output"],
+)
+def test_report_says_which_tokens_the_tiles_skip_or_why_none(fn, expected):
+    h, w = torch.randn(12, 8, requires_grad=True), torch.randn(V, 8, requires_grad=True)
+    y = torch.randint(0, V, (12,))
+    y[::3] = -100
+    report = tile_pass.backend("eager").explain(fn, h, w, y)
+    (rewrite,) = report.rewrites
+    assert rewrite.token_skipping.startswith(expected), rewrite.token_skipping
+    assert f"token skipping: {rewrite.token_skipping}" in str(report)

@@ -48,6 +48,8 @@ class Rewrite:
     #: how the weight gradient is summed across tiles and the bytes it holds at the end of the
     #: loop: "float32 sum (4 bytes per weight)", "split float32 sum (...)", or "none"
     weight_grad_sum: str = "none"
+    #: which tokens the tiles may leave out, or why every token runs
+    token_skipping: str = ""
 
     def __str__(self) -> str:
         return (
@@ -58,6 +60,7 @@ class Rewrite:
             f"reduction={self.reduction}, tile={self.tile_tokens} tokens x {self.num_tiles} tiles"
             f" ({'compiled' if self.compiled_tiles else 'eager'} tiles)\n"
             + (f"    weight gradient: {self.weight_grad_sum}\n" if self.weight_grad_sum != "none" else "")
+            + (f"    token skipping: {self.token_skipping}\n" if self.token_skipping else "")
             + f"    logits avoided: {_fmt_bytes(self.forward_bytes_avoided)} in forward, "
             f"{_fmt_bytes(self.backward_bytes_avoided)} in backward"
             + (

@@ -260,6 +260,7 @@ def _rewrite_row_regions(
                 returned_logits_bytes=_plain(kept),
                 compiled_tiles=options.compile_tiles,
                 weight_grad_sum=_weight_grad_sum(schedule, dtype),
+                token_skipping=_token_skipping(region),
             )
         )
 
@@ -314,6 +315,30 @@ def _weight_grad_sum(schedule: WeightGradSchedule | None, dtype: torch.dtype) ->
         what += ", rounded into a separate gradient"
     held = _weight_grad.bytes_per_weight(schedule, dtype)
     return f"{what} ({held} bytes per weight at the end of the loop, the returned gradient included)"
+
+
+def _token_skipping(region) -> str:
+    """Which tokens the tiles may leave out (``tiled_region._skipped_rows`` decides per batch), or
+    the output that makes every token run: a token is left out only where every output is zero
+    whatever its logits, or reaches the loss with a zero token weight."""
+    outputs = list(zip(region.outputs, region.program.outputs, strict=True))
+    rows = [found for found, out in outputs if out.layout is Layout.ROWS]
+    if rows:
+        return f"none: {rows[0].node.name} returns the logits of every token"
+    always = [found for found, out in outputs if out.zeros is None and not out.only_loss]
+    if always:
+        return (
+            f"none: {always[0].node.name} is read outside the loss and is not zero at an ignored label or a "
+            "zero mask"
+        )
+    kinds = [
+        "an ignored label or a zero mask" if any(out.zeros for _, out in outputs) else "",
+        "a zero token weight in the loss" if any(out.only_loss for _, out in outputs) else "",
+    ]
+    return (
+        f"on CPU, tokens where every output is zero ({' or '.join(filter(None, kinds))}) run no GEMM; "
+        "an accelerator runs every token (finding them would synchronise with the host)"
+    )
 
 
 def _forward_bytes(itemsize: int, upcast: bool) -> int:
