@@ -545,7 +545,7 @@ def test_row_wise_regions_of_a_sharded_head_are_tiled_and_exact(tmp_path):
 # ------------------------------------ TRL's GRPO forms on a vocabulary-sharded head, compiled
 
 
-def _trl_worker(rank, port, outdir):
+def _trl_worker(rank, port, outdir, inner):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -562,7 +562,7 @@ def _trl_worker(rank, port, outdir):
             # known limits): DTensor's own log_softmax would gather them, the rewrite never does
             parallelize_module(head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
             h = hidden.clone().requires_grad_()
-            backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
+            backend = tile_pass.backend(inner, tile_tokens=TILE)
             step = torch.compile(lambda h, *args, head=head, form=form: form(head(h), *args), backend=backend)
             replicated = [
                 DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in (ids, mask, advantages)
@@ -581,7 +581,8 @@ def _trl_data():
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
-def test_trl_grpo_forms_on_a_vocabulary_sharded_head_are_rewritten_and_exact(tmp_path):
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_trl_grpo_forms_on_a_vocabulary_sharded_head_are_rewritten_and_exact(tmp_path, inner):
     """TRL's GRPO form (``logits[:, :-1, :]``, temperature, ``log_softmax(-1).gather(...)``,
     masked completions, advantages) and its ``selective_log_softmax`` (per-row loops folded) on
     a ``ColwiseParallel(output_layouts=Shard(-1))`` head: one tiled region per rank, loss and
@@ -589,7 +590,7 @@ def test_trl_grpo_forms_on_a_vocabulary_sharded_head_are_rewritten_and_exact(tmp
     pytest.importorskip("trl")
     from trl_forms import FORMS, batch
 
-    spawn(_trl_worker, (_free_port(), str(tmp_path)))
+    spawn(_trl_worker, (_free_port(), str(tmp_path), inner))
     results = [torch.load(tmp_path / f"trl{rank}.pt") for rank in range(WORLD)]
     for name, form in FORMS.items():
         hidden, weight = _trl_data()
