@@ -388,7 +388,7 @@ def _log_probs(h, w, y):
             _masked_ce,
             "on CPU, tokens where every output is zero (an ignored label or a zero mask) run no GEMM",
         ),
-        (_ce_and_logits, "none: linear returns the logits of every token"),
+        (_ce_and_logits, "none: the graph returns the logits of every token"),
         (_log_probs, "none: squeeze is read outside the loss and is not zero at an ignored label"),
     ],
     ids=["ignored-labels", "returned-logits", "per-token-output"],

@@ -324,7 +324,7 @@ def _token_skipping(region) -> str:
     outputs = list(zip(region.outputs, region.program.outputs, strict=True))
     rows = [found for found, out in outputs if out.layout is Layout.ROWS]
     if rows:
-        return f"none: {rows[0].node.name} returns the logits of every token"
+        return f"none: the graph returns the logits of every token ({rows[0].node.name})"
     always = [found for found, out in outputs if out.zeros is None and not out.only_loss]
     if always:
         return (
@@ -333,7 +333,7 @@ def _token_skipping(region) -> str:
         )
     kinds = [
         "an ignored label or a zero mask" if any(out.zeros for _, out in outputs) else "",
-        "a zero token weight in the loss" if any(out.only_loss for _, out in outputs) else "",
+        "a zero token weight in the loss" if any(o.only_loss and not o.zeros for _, o in outputs) else "",
     ]
     return (
         f"on CPU, tokens where every output is zero ({' or '.join(filter(None, kinds))}) run no GEMM; "
