@@ -154,3 +154,17 @@ def test_loss_forms_are_measured_beside_the_plain_cross_entropy():
     assert grpo["fired"] and grpo["err_loss"] < 1e-4 and grpo["err_dw"] < 1e-4, grpo
     assert grpo["time_x_ce"] == pytest.approx(grpo["median_s"] / by_form[("tile_pass", "ce")]["median_s"])
     assert "grpo" in bench.format_table(rows)
+
+
+def test_interleaved_rounds_time_every_row_of_a_shape_and_the_ratios_use_them():
+    rows = bench.run_benchmark(
+        [SHAPE], ("eager",), repeats=1, warm_cache=True, timeout=300, floor=False, check=False,
+        forms=("ce", "ce_zloss"), interleave=3,
+    )  # fmt: skip
+    for row in rows:
+        assert "error" not in row and "interleaved_error" not in row, row
+        assert len(row["interleaved_steps_s"]) == 3
+        assert row["interleaved_s"] == pytest.approx(statistics.median(row["interleaved_steps_s"]), abs=1e-4)
+    ce, z_loss = rows
+    assert z_loss["time_x_ce"] == pytest.approx(z_loss["interleaved_s"] / ce["interleaved_s"])
+    assert "interleaved s" in bench.format_table(rows)

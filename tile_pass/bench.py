@@ -394,6 +394,37 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
     return out
 
 
+def run_interleaved(cfgs: Sequence[BenchConfig], rounds: int) -> list[list[float]]:
+    """Each config's step times, measured in this one process with the steps interleaved.
+
+    ``cfgs`` share one shape (any implementations and forms). Every round runs one step of each,
+    every other round in reverse order, so a slow spell of the machine costs every config alike;
+    one fresh process per row instead times each config minutes apart (on a shared 2-core VM,
+    rows of one run moved 10-20% while interleaved steps of the same pair moved a few percent).
+    Memory is not measured here: every config's compiled code lives in this one process.
+    """
+    device = torch.device(cfgs[0].device)
+    hidden, weight, labels = _make_inputs(cfgs[0])
+    steps = []
+    for cfg in cfgs:
+        torch.manual_seed(cfg.seed)
+        fn = _build(cfg, {})
+        step = training_step(fn, hidden, weight, labels, form_inputs(cfg.form, hidden, weight, labels))
+        step()  # compile
+        step()  # and one warm step
+        steps.append(step)
+    allocator_steady_state()
+    times: list[list[float]] = [[] for _ in cfgs]
+    for round_index in range(rounds):
+        order = range(len(cfgs)) if round_index % 2 == 0 else reversed(range(len(cfgs)))
+        for i in order:
+            t0 = time.perf_counter()
+            steps[i]()
+            _sync(device)
+            times[i].append(time.perf_counter() - t0)
+    return times
+
+
 # ------------------------------------------------------------------ the parent process
 
 
@@ -472,6 +503,14 @@ def _shape_key(row: dict[str, Any]) -> tuple:
     return (row["tokens"], row["hidden"], row["vocab"], row["dtype"], row["device"], row.get("form", "ce"))
 
 
+def _ratio_time(row: dict[str, Any], base: dict[str, Any]) -> float:
+    """``row``'s time over ``base``'s: interleaved steps where both have them (see
+    :func:`run_interleaved`), else each one's own fresh process."""
+    if "interleaved_s" in row and "interleaved_s" in base:
+        return row["interleaved_s"] / base["interleaved_s"]
+    return row["median_s"] / base["median_s"]
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Time, memory and compile ratios against plain inductor and the GEMM floor of each shape."""
     for row in rows:
@@ -485,7 +524,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if "error" in row:
             continue
         if base is not None:
-            row["time_x_inductor"] = row["median_s"] / base["median_s"]
+            row["time_x_inductor"] = _ratio_time(row, base)
             if row.get("peak_mib") is not None and base.get("peak_mib"):
                 row["mem_x_inductor"] = row["peak_mib"] / base["peak_mib"]
             if row.get("extra_mib") is not None and base.get("extra_mib"):
@@ -497,7 +536,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if floor is not None:
             row["time_x_floor"] = row["median_s"] / floor["median_s"]
         if plain_ce is not None and row.get("form", "ce") != "ce":
-            row["time_x_ce"] = row["median_s"] / plain_ce["median_s"]
+            row["time_x_ce"] = _ratio_time(row, plain_ce)
     return rows
 
 
@@ -515,11 +554,13 @@ def run_benchmark(
     ignore_every: int = 7,
     progress: Callable[[dict[str, Any]], None] | None = None,
     forms: Sequence[str] = ("ce",),
+    interleave: int = 0,
 ) -> list[dict[str, Any]]:
     """Measure every implementation at every ``(tokens, hidden, vocab, dtype)``, one child each.
 
     ``tile_tokens`` lists the tiles tile_pass runs at (``None``: its own choice);
-    ``ignore_every=k`` ignores every k-th label (0: none).
+    ``ignore_every=k`` ignores every k-th label (0: none); ``interleave=k``: one more child per
+    shape times every row's step in ``k`` interleaved rounds, and the ratios use those times.
     """
     rows = []
     for tokens, hidden, vocab, dtype in shapes:
@@ -538,13 +579,37 @@ def run_benchmark(
                             impl=impl, tile_tokens=tile, repeats=repeats, check=check, form=form, **shape
                         )
                     )
+        shape_rows = []
         for cfg in configs:
             row = measure_fresh(cfg, timeout=timeout, warm_cache=warm_cache)
             row["swept"] = cfg.impl == "tile_pass" and cfg.tile_tokens is not None
-            rows.append(row)
+            shape_rows.append(row)
             if progress is not None:
                 progress(row)
+        if interleave:
+            _time_interleaved(configs, shape_rows, interleave, timeout, warm_cache)
+        rows += shape_rows
     return add_ratios(rows)
+
+
+def _time_interleaved(configs, rows, rounds: int, timeout: float, warm_cache: bool) -> None:
+    """Add ``interleaved_s`` (and the steps behind it) to the rows of one shape that measured,
+    from one fresh process timing them all interleaved (:func:`run_interleaved`)."""
+    timed = [(c, row) for c, row in zip(configs, rows, strict=True) if c.impl != FLOOR and "error" not in row]
+    if not timed:
+        return
+    configs_json = json.dumps([asdict(c) for c, _ in timed])
+    argv = ["-m", "tile_pass.bench", "--child-interleaved", str(rounds), configs_json]
+    env = {} if warm_cache else {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    try:
+        result = run_fresh(argv, timeout * len(timed), env)
+    except (subprocess.TimeoutExpired, RuntimeError) as exc:
+        for _, row in timed:
+            row["interleaved_error"] = str(exc).splitlines()[-1][:200] if str(exc) else "failed"
+        return
+    for (_, row), steps in zip(timed, result, strict=True):
+        row["interleaved_s"] = statistics.median(steps)
+        row["interleaved_steps_s"] = sorted(round(t, 4) for t in steps)
 
 
 def dynamic_lengths(top: int, hidden: int, vocab: int) -> list[int]:
@@ -596,6 +661,7 @@ COLUMNS = (
     ("vocab", "V", "{}"),
     ("dtype", "dtype", "{}"),
     ("median_s", "step s", "{:.3f}"),
+    ("interleaved_s", "interleaved s", "{:.3f}"),
     ("peak_mib", "peak MiB", "{:.0f}"),
     ("extra_mib", "extra MiB", "{:.0f}"),
     ("peak_glibc_mib", "glibc MiB", "{:.0f}"),
@@ -720,6 +786,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--form", default="ce", help=f"comma-separated loss forms: {','.join(LOSS_FORMS)}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=3, help="steady steps per measurement (median)")
+    p.add_argument(
+        "--interleave", type=int, default=0, metavar="ROUNDS",
+        help="also time every row of a shape in one process, steps interleaved over ROUNDS rounds; "
+        "the time ratios then use those times (robust to a noisy machine)",
+    )  # fmt: skip
     p.add_argument("--ignore-every", type=int, default=7, help="every k-th label is ignored (0: none)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 exactness check")
     p.add_argument("--no-floor", action="store_true", help="skip the GEMM-floor measurement")
@@ -782,6 +853,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             shapes, impls, device=args.device, repeats=args.repeats, check=not args.no_check,
             floor=not args.no_floor, tile_tokens=tiles, timeout=args.timeout,
             warm_cache=args.warm_cache, ignore_every=args.ignore_every, progress=progress, forms=forms,
+            interleave=args.interleave,
         )  # fmt: skip
         result["rows"] = rows
         print(format_table(rows, markdown=args.markdown))
@@ -796,8 +868,16 @@ def _child_main() -> None:
     print(json.dumps(run_child(BenchConfig(**{k: v for k, v in raw.items() if k in fields}))))
 
 
+def _child_interleaved_main() -> None:
+    fields = {f.name for f in dataclasses.fields(BenchConfig)}
+    cfgs = [BenchConfig(**{k: v for k, v in raw.items() if k in fields}) for raw in json.loads(sys.argv[3])]
+    print(json.dumps(run_interleaved(cfgs, int(sys.argv[2]))))
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         _child_main()
+    elif len(sys.argv) > 3 and sys.argv[1] == "--child-interleaved":
+        _child_interleaved_main()
     else:
         main()
