@@ -112,3 +112,50 @@ def test_an_ignored_label_skips_even_a_non_finite_token():
     assert torch.isfinite(eager)
     torch.testing.assert_close(out, eager)
     assert _tiling.last_tiles[0] == int((y != -100).sum())
+
+
+def test_zero_expressions_combine_their_parts_flags_and_exactness():
+    """A product is zero where any factor is, a sum where every term is; exact only where every part is."""
+    from tile_pass._region import ZeroAll, ZeroAny, ZeroIf, ZeroKind, _canonical
+
+    labels, mask = torch.tensor([-100, 3, -100, 5]), torch.tensor([[1.0], [0.0], [0.0], [1.0]])
+    ignored = ZeroIf(0, ZeroKind.EQUALS, -100)
+    masked = ZeroIf(1, ZeroKind.ZERO, exact=False)
+    kept = ZeroIf(1, ZeroKind.TRUE)
+    tokens = [labels, mask]
+    assert [f.tolist() for f in (ignored.tokens(tokens)[0], kept.tokens(tokens)[0])] == [
+        [True, False, True, False], [True, False, False, True]]  # fmt: skip
+    flags, exact = ZeroAny((ignored, masked)).tokens(tokens)
+    assert flags.tolist() == [True, True, True, False] and not exact
+    flags, exact = ZeroAll((ignored, masked)).tokens(tokens)
+    assert flags.tolist() == [False, False, True, False] and not exact
+    flags, exact = ZeroAll((ignored, ZeroAny((ignored, kept)))).tokens(tokens)
+    assert flags.tolist() == [True, False, True, False] and exact
+    assert ZeroAny((ignored, masked)) == ZeroAny((ignored, masked)) != ZeroAll((ignored, masked))
+    assert len({ZeroAny((ignored, kept)), ZeroAny((ignored, kept))}) == 1
+    assert _canonical(ZeroAll((ignored, kept))) == (
+        "ZeroAll((ZeroIf(0,ZeroKind.EQUALS,-100,True),ZeroIf(1,ZeroKind.TRUE,None,True)))"
+    )
+    for parts in [(), (ignored,), (ignored, ("is", masked))]:
+        with pytest.raises(ValueError):
+            ZeroAny(parts)
+
+
+def test_zero_rules_are_for_ops_the_matcher_replays():
+    """A zero rule names an op as a step the matcher builds does (``target_name``), once."""
+    from tile_pass import _region, _rules
+    from tile_pass._region import Ref, RefKind, Step, ZeroAny, ZeroIf, ZeroKind
+
+    replayed = {_region.target_name(t) for t in (*_rules.RULES, *_rules._OUT_OF_PLACE.values())}
+    assert set(_region.ZERO_RULES) <= replayed, set(_region.ZERO_RULES) - replayed
+    with pytest.raises(ValueError, match="already"):
+        _region.register_zero_rule("mul", "a_new_op")(lambda step, of, token: None)
+    assert "a_new_op" not in _region.ZERO_RULES
+    ignored = ZeroIf(0, ZeroKind.EQUALS, -100)
+    value, mask = Ref(RefKind.VALUE, 1), Ref(RefKind.TOKEN, 1)
+    product = Step("call_function", torch.mul, (value, mask))
+    masked = _region.zero_where(product, {1: ignored}, frozenset({0, 1}))
+    assert masked == ZeroAny((ignored, ZeroIf(1, ZeroKind.ZERO, exact=False)))
+    where = Step("call_function", torch.where, (mask, value, 0))
+    assert _region.zero_where(where, {}, frozenset({1})) == ZeroIf(1, ZeroKind.FALSE)  # one part: itself
+    assert _region.zero_where(Step("call_function", torch.exp, (value,)), {1: ignored}, frozenset()) is None

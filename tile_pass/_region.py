@@ -19,8 +19,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import hashlib
+import operator
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,7 +126,7 @@ class Output:
     differentiable: bool
     #: where the value is zero whatever the logits (see :func:`zero_where`): a token there
     #: needs no tile when every output is
-    zeros: tuple | None = None
+    zeros: Zeros | None = None
     #: read only by the region's scalar loss: a token whose token weight is zero needs no tile
     only_loss: bool = False
 
@@ -136,8 +139,16 @@ class ZeroKind(enum.Enum):
     EQUALS, ZERO, FALSE, TRUE = range(4)
 
 
+class Zeros:
+    """Where a value is zero whatever the logits (:func:`zero_where`): a fact, or parts combined."""
+
+    def tokens(self, token_inputs) -> tuple[torch.Tensor, bool]:
+        """Where it holds, one flag per token, and whether it holds even for non-finite logits."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class ZeroIf:
+class ZeroIf(Zeros):
     """A value is zero at a token where per-token input ``token`` is as ``kind`` says.
     ``exact``: zero even where the logits are not finite (a product with a zero mask is not)."""
 
@@ -146,88 +157,145 @@ class ZeroIf:
     value: object = None
     exact: bool = True
 
-    def holds(self, token_input: torch.Tensor) -> torch.Tensor:
-        """Where it holds, one flag per token."""
-        t = token_input.reshape(token_input.shape[0], -1)[:, 0]
+    def tokens(self, token_inputs) -> tuple[torch.Tensor, bool]:
+        t = token_inputs[self.token]
+        t = t.reshape(t.shape[0], -1)[:, 0]
         if self.kind is ZeroKind.EQUALS:
-            return t == self.value
+            return t == self.value, self.exact
         if self.kind is ZeroKind.ZERO:
-            return t == 0
-        return ~t.bool() if self.kind is ZeroKind.FALSE else t.bool()
+            return t == 0, self.exact
+        return (~t.bool() if self.kind is ZeroKind.FALSE else t.bool()), self.exact
 
 
-#: ops whose result is zero where their (first) operand is: ``f(0) == 0``
-_KEEP_ZEROS = {"neg", "abs", "detach", "float", "double", "half", "bfloat16", "to", "type", "reshape", "view",
-               "squeeze", "unsqueeze", "contiguous", "flatten", "sum", "gather", "relu", "tanh", "sign",
-               "square", "sqrt"}  # fmt: skip
-_PRODUCTS = {"mul", "__mul__", "__rmul__", "mul_"}
-_SUMS = {"add", "sub", "__add__", "__sub__", "__radd__", "__rsub__", "add_", "sub_", "rsub"}
+@dataclass(frozen=True)
+class _ZeroParts(Zeros):
+    """Parts whose flags ``_combine`` joins; exact where every part is."""
+
+    parts: tuple[Zeros, ...]
+
+    def __post_init__(self):
+        if len(self.parts) < 2 or not all(isinstance(p, Zeros) for p in self.parts):
+            raise ValueError(f"{type(self).__name__} needs two or more Zeros parts, not {self.parts!r}")
+
+    def tokens(self, token_inputs) -> tuple[torch.Tensor, bool]:
+        flags, exact = zip(*(part.tokens(token_inputs) for part in self.parts), strict=True)
+        return functools.reduce(self._combine, flags), all(exact)
 
 
-def zero_where(step: Step, zeros_of: dict[int, tuple], per_token: frozenset[int]) -> tuple | None:
-    """Where a step's value is zero whatever the logits, as an expression over :class:`ZeroIf`
-    facts (``("is", fact)``, ``("any", parts)``, ``("all", parts)``) or ``None`` (nowhere known),
-    from its operands' (``zeros_of``, by value index) and the token inputs of one value per
-    token (``per_token``: their indices)."""
-    name = target_name(step.target)
+@dataclass(frozen=True)
+class ZeroAny(_ZeroParts):
+    """Zero where any part is (a product)."""
+
+    _combine = staticmethod(operator.or_)
+
+
+@dataclass(frozen=True)
+class ZeroAll(_ZeroParts):
+    """Zero where every part is (a sum)."""
+
+    _combine = staticmethod(operator.and_)
+
+
+#: op name (:func:`target_name`) -> ``rule(step, of, token)``: where the step's value is zero, from
+#: ``of(arg)`` (an operand's :class:`Zeros` or ``None``) and ``token(arg)`` (a per-token input?)
+ZERO_RULES: dict[str, Callable[..., Zeros | None]] = {}
+
+
+def register_zero_rule(*names: str):
+    """Make the decorated function the zero rule of each op in ``names``, as :mod:`_rules` does."""
+
+    def register(rule):
+        if taken := ZERO_RULES.keys() & set(names):
+            raise ValueError(f"{sorted(taken)} already have a zero rule")
+        ZERO_RULES.update(dict.fromkeys(names, rule))
+        return rule
+
+    return register
+
+
+def _number(arg) -> bool:
+    return isinstance(arg, (int, float)) and not isinstance(arg, bool)
+
+
+def _either(*parts) -> Zeros | None:
+    parts = tuple(p for p in parts if p is not None)
+    return None if not parts else parts[0] if len(parts) == 1 else ZeroAny(parts)
+
+
+def zero_where(step: Step, zeros_of: dict[int, Zeros | None], per_token: frozenset[int]) -> Zeros | None:
+    """Where a step's value is zero whatever the logits (``None``: nowhere known), by its op's rule,
+    from its operands' (``zeros_of``, by value index) and the per-token inputs (``per_token``)."""
+    rule = ZERO_RULES.get(target_name(step.target))
 
     def of(arg):
         return zeros_of.get(arg.index) if isinstance(arg, Ref) and arg.kind is RefKind.VALUE else None
 
-    def number(arg) -> bool:
-        return isinstance(arg, (int, float)) and not isinstance(arg, bool)
-
     def token(arg) -> bool:
         return isinstance(arg, Ref) and arg.kind is RefKind.TOKEN and arg.index in per_token
 
-    def either(*parts):
-        parts = tuple(p for p in parts if p is not None)
-        return None if not parts else parts[0] if len(parts) == 1 else ("any", parts)
+    return rule(step, of, token) if rule is not None else None
 
+
+@register_zero_rule("cross_entropy", "nll_loss")
+def _ignored_label(step, of, token):
+    """A loss is zero, and its gradient too, at a token whose label is ``ignore_index``."""
+    kwargs = dict(step.kwargs)
+    target = step.args[1] if len(step.args) > 1 else kwargs.get("target")
+    return ZeroIf(target.index, ZeroKind.EQUALS, kwargs.get("ignore_index", -100)) if token(target) else None
+
+
+@register_zero_rule("mul", "__mul__", "__rmul__", "mul_")
+def _product(step, of, token):
+    """Zero where a factor is; a per-token factor where it is 0, but not for ``inf`` logits (0 * inf)."""
+    factors = [ZeroIf(a.index, ZeroKind.ZERO, exact=False) if token(a) else of(a) for a in step.args]
+    return _either(*factors) if len(factors) == 2 else None
+
+
+@register_zero_rule("truediv", "div", "__truediv__")
+def _divide(step, of, token):
+    """Zero where the dividend is, divided by a nonzero number."""
+    return of(step.args[0]) if len(step.args) == 2 and _number(step.args[1]) and step.args[1] != 0 else None
+
+
+@register_zero_rule("pow", "__pow__")
+def _power(step, of, token):
+    """Zero where the base is, to a positive power (``0 ** 0`` is 1)."""
+    return of(step.args[0]) if len(step.args) == 2 and _number(step.args[1]) and step.args[1] > 0 else None
+
+
+@register_zero_rule("add", "sub", "__add__", "__sub__", "__radd__", "__rsub__", "add_", "sub_", "rsub")
+def _sum(step, of, token):
+    """Zero where both terms are."""
+    a, b = (of(arg) for arg in step.args) if len(step.args) == 2 else (None, None)
+    return None if a is None or b is None else ZeroAll((a, b))
+
+
+@register_zero_rule("where")
+def _where(step, of, token):
+    """``where(mask, x, 0)`` is zero where the mask is false or ``x`` is; ``where(mask, 0, y)``: true."""
+    if len(step.args) != 3 or not token(step.args[0]):
+        return None
+    cond, x, y = step.args
+    if _number(y) and y == 0:
+        return _either(ZeroIf(cond.index, ZeroKind.FALSE), of(x))
+    return _either(ZeroIf(cond.index, ZeroKind.TRUE), of(y)) if _number(x) and x == 0 else None
+
+
+@register_zero_rule("masked_fill", "masked_fill_")
+def _masked_fill(step, of, token):
+    """``masked_fill(mask, 0)`` is zero where the mask is true or the input is zero."""
     args = step.args
-    if name in ("cross_entropy", "nll_loss"):
-        kwargs = dict(step.kwargs)
-        target = args[1] if len(args) > 1 else kwargs.get("target")
-        if not token(target):
-            return None
-        return "is", ZeroIf(target.index, ZeroKind.EQUALS, kwargs.get("ignore_index", -100))
-    if name in _PRODUCTS and len(args) == 2:
-        facts = [("is", ZeroIf(a.index, ZeroKind.ZERO, exact=False)) if token(a) else of(a) for a in args]
-        return either(*facts)
-    if name in ("truediv", "div", "__truediv__") and len(args) == 2:
-        return of(args[0]) if number(args[1]) and args[1] != 0 else None
-    if name in ("pow", "__pow__") and len(args) == 2:
-        return of(args[0]) if number(args[1]) and args[1] > 0 else None
-    if name in _SUMS and len(args) == 2:
-        a, b = of(args[0]), of(args[1])
-        return None if a is None or b is None else ("all", (a, b))
-    if name == "where" and len(args) == 3:
-        cond, x, y = args
-        if token(cond) and number(y) and y == 0:
-            return either(("is", ZeroIf(cond.index, ZeroKind.FALSE)), of(x))
-        if token(cond) and number(x) and x == 0:
-            return either(("is", ZeroIf(cond.index, ZeroKind.TRUE)), of(y))
-        return None
-    if name in ("masked_fill", "masked_fill_") and len(args) >= 3:
-        if token(args[1]) and number(args[2]) and args[2] == 0:
-            return either(("is", ZeroIf(args[1].index, ZeroKind.TRUE)), of(args[0]))
-        return None
-    if name in _KEEP_ZEROS and args:
-        return of(args[0])
+    if len(args) >= 3 and token(args[1]) and _number(args[2]) and args[2] == 0:
+        return _either(ZeroIf(args[1].index, ZeroKind.TRUE), of(args[0]))
     return None
 
 
-def zero_tokens(expression, token_inputs) -> tuple[torch.Tensor, bool]:
-    """Where ``expression`` (see :func:`zero_where`) holds, one flag per token, and whether that
-    holds even for non-finite logits."""
-    kind, parts = expression
-    if kind == "is":
-        return parts.holds(token_inputs[parts.token]), parts.exact
-    flags = [zero_tokens(part, token_inputs) for part in parts]
-    combined = flags[0][0]
-    for flag, _ in flags[1:]:
-        combined = combined | flag if kind == "any" else combined & flag
-    return combined, all(exact for _, exact in flags)
+@register_zero_rule("neg", "abs", "detach", "float", "double", "half", "bfloat16", "to", "type", "reshape",
+                    "view", "squeeze", "unsqueeze", "contiguous", "flatten", "sum", "gather", "relu", "tanh",
+                    "sign", "square", "sqrt")  # fmt: skip
+def _keeps_zeros(step, of, token):
+    """``f(0) == 0``: zero where the (first) operand is."""
+    return of(step.args[0]) if step.args else None
 
 
 @dataclass(frozen=True)

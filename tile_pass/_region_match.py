@@ -340,7 +340,7 @@ class RegionMatcher:
         self.dropped: list[torch.fx.Node] = []  # returned rows not computed (drop_logits=True)
         #: rows before a token slice that the graph returns: left to the graph, computed whole
         self.kept_whole: list[torch.fx.Node] = []
-        self.zeros: dict[int, tuple] = {}  # per value: where it is zero (_region.zero_where)
+        self.zeros: dict[int, _region.Zeros | None] = {}  # per value: where it is zero (_region.zero_where)
         self.slices: list[tuple] = []  # token selections moved onto the hidden states, in order
         self.slice_steps: list[int] = []
         self.slice_nodes: list[torch.fx.Node] = []

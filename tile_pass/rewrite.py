@@ -332,8 +332,8 @@ def _token_skipping(region) -> str:
             "zero mask"
         )
     kinds = [
-        "an ignored label or a zero mask" if any(out.zeros for _, out in outputs) else "",
-        "a zero token weight in the loss" if any(o.only_loss and not o.zeros for _, o in outputs) else "",
+        "an ignored label or a zero mask" if any(out.zeros is not None for _, out in outputs) else "",
+        "a zero token weight in the loss" if any(o.only_loss and o.zeros is None for _, o in outputs) else "",
     ]
     return (
         f"on CPU, tokens where every output is zero ({' or '.join(filter(None, kinds))}) run no GEMM; "

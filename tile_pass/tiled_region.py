@@ -157,7 +157,7 @@ def _skipped_rows(program: RowProgram, token_inputs, hidden, weights: dict | Non
             continue
         here = None
         if out.zeros is not None:
-            here, exact_here = _region.zero_tokens(out.zeros, token_inputs)
+            here, exact_here = out.zeros.tokens(token_inputs)
             exact = exact and exact_here
         if weights is not None and index in weights and (out.only_loss or not values):
             flag = (weights[index].reshape(hidden.shape[0], -1) == 0).all(-1)
