@@ -1,8 +1,8 @@
 """Peak memory and time of one LM-head training step, measured in a fresh process.
 
-Run as ``python -m tile_pass._measure '<json config>'``; prints one JSON line. The parent
-(:func:`measure`) starts a new interpreter per measurement so that no allocator cache or
-compiled artefact of another implementation skews the numbers.
+The benchmark (:mod:`tile_pass.bench`) and the examples start a new interpreter per
+measurement (:func:`run_fresh`) so that no allocator cache or compiled artefact of another
+implementation skews the numbers.
 
 CPU peak memory is ``VmHWM`` from ``/proc/self/status`` after resetting it (writing ``5``
 to ``/proc/self/clear_refs``) once the step has been compiled and warmed up, minus the
@@ -21,30 +21,12 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 MiB = 1024 * 1024
-
-
-@dataclass
-class StepConfig:
-    impl: str = "tile_pass"  # "eager", "compiled" (inner compiler alone) or "tile_pass"
-    inner: str = "inductor"
-    tokens: int = 4096
-    hidden: int = 1024
-    vocab: int = 32000
-    dtype: str = "float32"
-    device: str = "cpu"
-    tile_tokens: int | None = None
-    tile_bytes: int | None = None
-    repeats: int = 3
-    seed: int = 0
-    ignore_every: int = 7  # every k-th label is ignore_index (0: none)
-    form: str = "ce"  # a key of LOSS_FORMS
 
 
 def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -258,53 +240,6 @@ def training_step(fn, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     return step
 
 
-def run_step(config: StepConfig) -> dict:
-    """Compile (if asked), warm up, then measure; in the current process."""
-    import tile_pass
-
-    torch.manual_seed(config.seed)
-    device = torch.device(config.device)
-    dtype = getattr(torch, config.dtype)
-    hidden = torch.randn(config.tokens, config.hidden, device=device, dtype=dtype)
-    hidden.requires_grad_()
-    weight = torch.nn.Parameter(
-        torch.randn(config.vocab, config.hidden, device=device, dtype=dtype) / config.hidden**0.5
-    )
-    labels = torch.randint(0, config.vocab, (config.tokens,), device=device)
-    if config.ignore_every:
-        labels[:: config.ignore_every] = -100
-
-    loss_fn = LOSS_FORMS[config.form]
-    if config.impl == "eager":
-        fn = loss_fn
-    elif config.impl == "compiled":
-        fn = torch.compile(loss_fn, backend=config.inner)
-    elif config.impl == "tile_pass":
-        backend = tile_pass.backend(
-            config.inner, tile_tokens=config.tile_tokens, tile_bytes=config.tile_bytes
-        )
-        fn = torch.compile(loss_fn, backend=backend)
-    else:
-        raise ValueError(f"unknown impl {config.impl!r}")
-
-    step = training_step(fn, hidden, weight, labels, form_inputs(config.form, hidden, weight, labels))
-
-    t0 = time.perf_counter()
-    loss = step()
-    compile_and_first = time.perf_counter() - t0
-    hidden.grad = None
-    weight.grad = None
-    times, peak_above, loss, *_ = measure_steps(step, device, config.repeats)
-    return {
-        **asdict(config),
-        "loss": float(loss),
-        "peak_above_inputs_mib": peak_above / MiB,
-        "median_s": times[len(times) // 2],
-        "first_call_s": compile_and_first,
-        "logits_mib": config.tokens * config.vocab * torch.empty((), dtype=dtype).element_size() / MiB,
-    }
-
-
 FRESH_PROCESS_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
@@ -324,12 +259,3 @@ def run_fresh(argv: list[str], timeout: float = 1800, env: dict[str, str] | None
     if proc.returncode != 0:
         raise RuntimeError(f"measurement {argv} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def measure(config: StepConfig, timeout: float = 1800) -> dict:
-    """Run :func:`run_step` in a fresh interpreter and return its result."""
-    return run_fresh(["-m", "tile_pass._measure", json.dumps(asdict(config))], timeout)
-
-
-if __name__ == "__main__":
-    print(json.dumps(run_step(StepConfig(**json.loads(sys.argv[1])))))

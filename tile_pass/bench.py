@@ -46,7 +46,6 @@ import torch.nn.functional as F
 from tile_pass._measure import (
     LOSS_FORMS,
     MiB,
-    StepConfig,
     allocator_steady_state,
     form_inputs,
     measure_steps,
@@ -74,12 +73,27 @@ _MODEL_DTYPE_LOGITS_COPIES = {"inductor": 1.5, "autochunker": 1.5, "gemm_floor":
 
 
 @dataclass
-class BenchConfig(StepConfig):
+class BenchConfig:
     """One measurement: an implementation at one shape and dtype (serialised to the child).
 
-    ``impl`` names a benchmark implementation (see ``IMPLS``); ``inner`` is unused here.
+    ``impl`` names a benchmark implementation (see ``IMPLS``). ``inner`` is the compiler of the
+    ``inductor`` row (plain ``torch.compile``) and under ``tile_pass``: Inductor, unless a test
+    wants a faster compile (``aot_eager``).
     """
 
+    impl: str = "tile_pass"
+    inner: str = "inductor"
+    tokens: int = 4096
+    hidden: int = 1024
+    vocab: int = 32000
+    dtype: str = "float32"
+    device: str = "cpu"
+    tile_tokens: int | None = None
+    tile_bytes: int | None = None
+    repeats: int = 3
+    seed: int = 0
+    ignore_every: int = 7  # every k-th label is ignore_index (0: none)
+    form: str = "ce"  # a key of LOSS_FORMS
     check: bool = True
     dynamic_lengths: list[int] = field(default_factory=list)  # non-empty: the dynamic-shape check
 
@@ -129,7 +143,7 @@ def _build(cfg: BenchConfig, info: dict[str, Any]) -> Callable:
     if cfg.impl == "eager":
         return loss_fn
     if cfg.impl == "inductor":
-        return torch.compile(loss_fn, backend="inductor", dynamic=dynamic)
+        return torch.compile(loss_fn, backend=cfg.inner, dynamic=dynamic)
     if cfg.impl == "autochunker":
         events: list[str] = []
         info["autochunker_events"] = events
@@ -138,7 +152,7 @@ def _build(cfg: BenchConfig, info: dict[str, Any]) -> Callable:
     if cfg.impl == "tile_pass":
         import tile_pass
 
-        backend = tile_pass.backend("inductor", tile_tokens=cfg.tile_tokens, tile_bytes=cfg.tile_bytes)
+        backend = tile_pass.backend(cfg.inner, tile_tokens=cfg.tile_tokens, tile_bytes=cfg.tile_bytes)
         info["backend"] = backend
         return torch.compile(loss_fn, backend=backend, dynamic=dynamic)
     if cfg.impl == "torch_chunked":
