@@ -94,9 +94,111 @@ def _gathered_label_row_sum(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     return True
 
 
+#: the row functions :func:`_shared_row_statistics` computes from one row maximum and sum
+_ROW_FUNCTIONS = (aten._log_softmax.default, aten._softmax.default, aten.logsumexp.default)
+
+
+def _row_function_dim(node: torch.fx.Node, x: torch.fx.Node) -> int | None:
+    """The dimension (``0 <= dim < x.dim()``) ``node`` reduces ``x`` over, where ``node`` is one
+    of :data:`_ROW_FUNCTIONS` of ``x`` whose decomposition is the float arithmetic
+    :func:`_shared_row_statistics` writes out; else ``None``."""
+    if node.op != "call_function" or node.target not in _ROW_FUNCTIONS or node.args[:1] != (x,):
+        return None
+    ndim = x.meta["val"].dim()
+    if node.target is aten.logsumexp.default:
+        dims = _arg(node, 1, "dim")
+        dims = [dims] if isinstance(dims, int) else dims
+        if not isinstance(dims, (list, tuple)) or len(dims) != 1 or not isinstance(dims[0], int):
+            return None
+        dim = dims[0]
+    else:
+        dim, half_to_float = _arg(node, 1, "dim"), _arg(node, 2, "half_to_float")
+        if not isinstance(dim, int) or half_to_float is not False:
+            return None
+    return dim % ndim if -ndim <= dim < ndim else None
+
+
+def _shared_row_statistics(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """``_log_softmax``, ``_softmax`` and ``logsumexp`` of one float32/float64 input over one
+    dimension (two or more of them, ``node`` among them) computed from one row maximum ``m``
+    and one sum ``S = sum(exp(x - m))``, so Inductor makes one pass over a row for them instead
+    of one each: for CE + z-loss one pass and one ``exp`` per logit fewer (a 64 x 32000 float32
+    block's middle: 4.9 ms -> 4.0 ms, median, on a noisy 2-core machine).
+
+    Each is written as the decomposition Inductor lowers it by, op for op: the log-softmax is
+    ``(x - m) - log(S)``, the softmax ``exp(x - m) / S``, sharing ``x - m``, its ``exp``
+    and ``S``. The ``logsumexp`` decomposition shifts by ``m0``, ``m`` with an infinite
+    maximum masked to 0, and is ``log(sum(exp(x - m0))) + m0``; here it is
+    ``where(isinf(m), m, log(S) + m)``. For a finite ``m``, ``m0`` is ``m``: the same ops on
+    the same numbers. For ``m = -inf`` the row is all ``-inf`` and the decomposition gives
+    ``log(0) + 0 = -inf``; for ``m = +inf`` (no NaN in the row) its sum is ``+inf`` and it
+    gives ``+inf``: ``m`` both times. A NaN in the row makes ``m`` NaN, and both NaN (not
+    always with the same payload bits, which no value depends on).
+
+    Only on the CPU: there Inductor reduces every row of a shape in the same order, so ``S``
+    has the bits of the ``logsumexp``'s own sum; on a GPU it may fold the max and sum into one
+    online-softmax reduction (and pick a kernel's reduction order by autotuning).
+    """
+    x = node.args[0] if node.args else None
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) and x.graph is graph else None
+    if (
+        not isinstance(val, torch.Tensor)
+        or val.dtype not in (torch.float32, torch.float64)
+        or val.device.type != "cpu"
+        or val.dim() == 0
+        or not all(isinstance(size, int) and size > 0 for size in val.shape)
+    ):  # fmt: skip
+        return False
+    dim = _row_function_dim(node, x)
+    if dim is None:
+        return False
+    group = [user for user in x.users if _row_function_dim(user, x) == dim]
+    if len(group) < 2:  # nothing to share
+        return False
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    group.sort(key=order.__getitem__)
+    first, last = order[group[0]], order[group[-1]]
+    # the shared nodes read ``x`` before the first of them: nothing may write to it before the last
+    if any(
+        getattr(getattr(n.target, "_schema", None), "is_mutable", False)
+        for n in graph.nodes if first < order[n] < last
+    ):  # fmt: skip
+        return False
+
+    def call(target, *args):
+        return graph.call_function(target, args)
+
+    with graph.inserting_before(group[0]):
+        row_max = call(aten.amax.default, x, [dim], True)
+        shifted = call(aten.sub.Tensor, x, row_max)
+        exps = call(aten.exp.default, shifted)
+        row_sum = call(aten.sum.dim_IntList, exps, [dim], True)
+        log_sum = call(aten.log.default, row_sum)
+        made = {}  # one node for the members that compute the same value
+        for member in group:
+            keepdim = member.target is aten.logsumexp.default and bool(_arg(member, 2, "keepdim", False))
+            key = (member.target, keepdim)
+            if key not in made:
+                if member.target is aten._log_softmax.default:
+                    value = call(aten.sub.Tensor, shifted, log_sum)
+                elif member.target is aten._softmax.default:
+                    value = call(aten.div.Tensor, exps, row_sum)
+                else:
+                    finite = call(aten.add.Tensor, log_sum, row_max)
+                    value = call(aten.where.self, call(aten.isinf.default, row_max), row_max, finite)
+                    value = value if keepdim else call(aten.squeeze.dims, value, [dim])
+                value.meta = dict(member.meta)
+                made[key] = value
+            member.replace_all_uses_with(made[key])
+    for member in group:
+        graph.erase_node(member)
+    return True
+
+
 #: rewrite rules by the op they apply to: ``rule(graph, node) -> bool`` (applied or not)
 RULES = {
     aten._log_softmax_backward_data.default: _gathered_label_row_sum,
+    **dict.fromkeys(_ROW_FUNCTIONS, _shared_row_statistics),
 }
 
 
