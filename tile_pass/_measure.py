@@ -203,24 +203,26 @@ class StepMeasurement(NamedTuple):
     peak_above_steady: int = 0
 
 
+def timed(fn, device: torch.device) -> tuple:
+    """``(fn(), seconds it took)``, the device's queued work included."""
+    t0 = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - t0
+
+
 def measure_steps(step, device: torch.device, repeats: int) -> StepMeasurement:
     """Run ``step`` (it clears the grads itself) once for peak memory, then ``repeats`` times
     for time under the allocator's steady state."""
     base = reset_peak_memory(device)
-    t0 = time.perf_counter()
-    loss = step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    memory_step_s = time.perf_counter() - t0
+    loss, memory_step_s = timed(step, device)
     peak_above = peak_memory(device) - base
     allocator_steady_state()
     times = []
     for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        loss = step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+        loss, seconds = timed(step, device)
+        times.append(seconds)
     base = reset_peak_memory(device)
     step()
     peak_above_steady = peak_memory(device) - base

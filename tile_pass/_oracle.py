@@ -96,6 +96,11 @@ def is_float(value) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
+def fresh(value):
+    """A floating tensor detached and cloned, requiring grad as it did; anything else as it is."""
+    return value.detach().clone().requires_grad_(value.requires_grad) if is_float(value) else value
+
+
 def finish(result: ValidationResult, raise_on_mismatch: bool) -> None:
     if result.ok:
         log.info("tile_pass validation passed:\n%s", result)
@@ -129,9 +134,7 @@ def _validate_graph(
     original: torch.fx.GraphModule, compiled: Callable, args: Sequence, num_outputs: int
 ) -> ValidationResult:
     needs_grad = [i for i, a in enumerate(args) if is_float(a) and a.requires_grad]
-    test_args = [
-        a.detach().clone().requires_grad_(i in needs_grad) if is_float(a) else a for i, a in enumerate(args)
-    ]
+    test_args = [fresh(a) for a in args]  # requiring grad where ``needs_grad`` says
     ref_args = [as_double(a) if is_float(a) else a for a in test_args]
     oracle = FLOAT64_ORACLE
     try:
@@ -141,9 +144,7 @@ def _validate_graph(
             f"same-dtype eager (float64 eager failed: {type(err).__name__}: {str(err).splitlines()[0][:200]})"
         )
         log.warning("tile_pass validation: %s; the check can only catch gross errors", oracle)
-        ref_args = [
-            a.detach().clone().requires_grad_(a.requires_grad) if is_float(a) else a for a in test_args
-        ]
+        ref_args = [fresh(a) for a in test_args]
         ref_out = original(*ref_args)
     with torch.enable_grad():
         out = compiled(*test_args)

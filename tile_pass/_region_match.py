@@ -396,11 +396,10 @@ class RegionMatcher:
         tokens, part = padded[: len(out.tokens)], padded[len(out.tokens) :]
         per_token = all(same(s, t) for s, t in zip(tokens, out.tokens, strict=True))
         if not per_token and all(same(s, 1) for s in tokens):
-            for i, entry in enumerate(self.row_inputs):
-                if entry.node is arg:
-                    return Ref(RefKind.ROW, i)
-            self.row_inputs.append(RowInput(arg, value.dim() == 0))
-            return Ref(RefKind.ROW, len(self.row_inputs) - 1)
+            row = RowInput(arg, value.dim() == 0)  # equal to an earlier one exactly when of the same node
+            if row not in self.row_inputs:
+                self.row_inputs.append(row)
+            return Ref(RefKind.ROW, self.row_inputs.index(row))
         if not all(same(s, 1) or same(s, t) for s, t in zip(tokens, out.tokens, strict=True)):
             raise NoMatch("{} combines the logits with {} of shape {}, which is not one value per token",
                           node, arg, tuple(value.shape))  # fmt: skip
@@ -408,11 +407,9 @@ class RegionMatcher:
             raise NoMatch("{} broadcasts {} over tokens into [N, V] rows", node, arg)
         part = tuple(1 if same(p, 1) else self.vocab for p in part)
         entry = TokenInput(arg, part, self.flat_tokens(out.tokens))
-        for i, known in enumerate(self.token_inputs):
-            if known.node is arg and known.part == part and known.flat_tokens == entry.flat_tokens:
-                return Ref(RefKind.TOKEN, i)
-        self.token_inputs.append(entry)
-        return Ref(RefKind.TOKEN, len(self.token_inputs) - 1)
+        if entry not in self.token_inputs:  # dataclass equality: the same node, part and token dims
+            self.token_inputs.append(entry)
+        return Ref(RefKind.TOKEN, self.token_inputs.index(entry))
 
     # ---------------------------------------------------------------- rules
 

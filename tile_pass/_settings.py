@@ -42,28 +42,21 @@ def _default_cpu_gemm() -> str:
     return "onednn" if platform.machine().lower() in ("x86_64", "amd64") else "aten"
 
 
+def _choice(env: str, default: str, accepted, expected: str) -> str:
+    """``env``'s value, lower-cased (``default`` where unset or empty), which must be in ``accepted``."""
+    value = os.environ.get(env, "").strip().lower() or default
+    if value not in accepted:
+        raise ValueError(f"{env}={value!r}: expected {expected}; unset it or set it to one of those")
+    return value
+
+
 def _read() -> Settings:
-    cpu_gemm = os.environ.get(CPU_GEMM_ENV, "").strip().lower() or _default_cpu_gemm()
-    if cpu_gemm not in _CPU_GEMMS:
-        raise ValueError(
-            f"{CPU_GEMM_ENV}={cpu_gemm!r}: expected 'onednn' (the default on x86-64) or 'aten'; "
-            f"unset it or set it to one of those"
-        )
-    weight_grad_sum = os.environ.get(WEIGHT_GRAD_SUM_ENV, "").strip().lower() or "auto"
-    if weight_grad_sum not in _WEIGHT_GRAD_SUMS:
-        raise ValueError(
-            f"{WEIGHT_GRAD_SUM_ENV}={weight_grad_sum!r}: expected one of {_WEIGHT_GRAD_SUMS}; "
-            "unset it or set it to one of those"
-        )
-    huge_pages = os.environ.get(HUGE_PAGES_ENV, "").strip().lower() or "on"
-    if huge_pages not in _HUGE_PAGES:
-        raise ValueError(
-            f"{HUGE_PAGES_ENV}={huge_pages!r}: expected 'on' (the default) or 'off'; "
-            "unset it or set it to one of those"
-        )
-    strict = os.environ.get(STRICT_ENV, "").strip().lower() or "0"
-    if strict not in _STRICT:
-        raise ValueError(f"{STRICT_ENV}={strict!r}: expected 1 or 0; unset it or set it to one of those")
+    cpu_gemm = _choice(
+        CPU_GEMM_ENV, _default_cpu_gemm(), _CPU_GEMMS, "'onednn' (the default on x86-64) or 'aten'"
+    )
+    weight_grad_sum = _choice(WEIGHT_GRAD_SUM_ENV, "auto", _WEIGHT_GRAD_SUMS, f"one of {_WEIGHT_GRAD_SUMS}")
+    huge_pages = _choice(HUGE_PAGES_ENV, "on", _HUGE_PAGES, "'on' (the default) or 'off'")
+    strict = _choice(STRICT_ENV, "0", _STRICT, "1 or 0")
     return Settings(
         cpu_gemm=cpu_gemm,
         weight_grad_sum=weight_grad_sum,

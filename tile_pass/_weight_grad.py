@@ -300,15 +300,7 @@ def _marked(name: str) -> set:
     """This thread's planes (by their high plane's address and size) in the state ``name``:
     ``unwritten`` (no add has written them), ``last`` (inside :func:`last_add`), ``rounded``
     (an add rounded them)."""
-    planes = getattr(_local, name, None)
-    if planes is None:
-        planes = set()
-        setattr(_local, name, planes)
-    return planes
-
-
-def _unwritten() -> set:
-    return _marked("unwritten")
+    return vars(_local).setdefault(name, set())  # the thread-local object's dict is this thread's
 
 
 def _key(hi: torch.Tensor) -> tuple[int, int]:
@@ -317,11 +309,10 @@ def _key(hi: torch.Tensor) -> tuple[int, int]:
 
 def _take(name: str, hi: torch.Tensor) -> bool:
     """Whether ``hi``'s planes were in the state ``name``; they no longer are."""
-    key = _key(hi)
-    if key in _marked(name):
-        _marked(name).discard(key)
-        return True
-    return False
+    planes, key = _marked(name), _key(hi)
+    found = key in planes
+    planes.discard(key)
+    return found
 
 
 def _claim(hi: torch.Tensor) -> bool:
@@ -365,7 +356,7 @@ def unwritten_planes(shape, device) -> tuple[torch.Tensor, torch.Tensor]:
     hi = _tile_buffers.empty(shape, torch.int16, device)
     lo = _tile_buffers.empty(shape, torch.int16, device)
     _marked("rounded").discard(_key(hi))  # left by a loop that raised before its finish
-    _unwritten().add(_key(hi))
+    _marked("unwritten").add(_key(hi))
     return hi, lo
 
 
@@ -383,10 +374,7 @@ def settle(hi: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def zeros(shape, device) -> tuple[torch.Tensor, torch.Tensor]:
     """A float32 sum of zeros, as its two planes."""
-    return (
-        _tile_buffers.zeros(shape, torch.int16, device),
-        _tile_buffers.zeros(shape, torch.int16, device),
-    )
+    return tuple(_tile_buffers.zeros(shape, torch.int16, device) for _ in range(2))
 
 
 def _bfloat16_bits(bits: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
+import importlib.util
 import itertools
 import json
 import math
@@ -34,7 +34,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -50,6 +49,7 @@ from tile_pass._measure import (
     form_inputs,
     measure_steps,
     run_fresh,
+    timed,
     training_step,
 )
 from tile_pass._tile_passes.onednn_gemms import _onednn_mm, onednn_gemms_apply
@@ -238,11 +238,6 @@ def relative_error(value: torch.Tensor | None, reference: torch.Tensor) -> float
     return float((value.detach().double() - reference).abs().max() / scale)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _graph_count() -> int:
     from torch._dynamo.utils import counters
 
@@ -280,20 +275,13 @@ def _gemm_floor(cfg: BenchConfig) -> dict[str, Any]:
     w = torch.randn(cfg.vocab, cfg.hidden, generator=gen).to(device, dtype)
     g = torch.randn(cfg.tokens, cfg.vocab, generator=gen).to(device, dtype)
     libraries = _floor_gemms(h, w, g)
-
-    def timed(gemm) -> float:
-        t0 = time.perf_counter()
-        gemm()
-        _sync(device)
-        return time.perf_counter() - t0
-
-    first = sum(timed(gemm) for gemm in libraries["aten"])
+    first = sum(timed(gemm, device)[1] for gemm in libraries["aten"])
     allocator_steady_state()  # timed as every implementation is (see measure_steps)
     per_library = {}
     for library, gemms in libraries.items():
         for gemm in gemms:  # a second warm-up: thread pools and allocator settle
             gemm()
-        runs = [[timed(gemm) for gemm in gemms] for _ in range(max(1, cfg.repeats))]
+        runs = [[timed(gemm, device)[1] for gemm in gemms] for _ in range(max(1, cfg.repeats))]
         per_library[library] = [statistics.median(column) for column in zip(*runs, strict=True)]
     fastest = [min(times) for times in zip(*per_library.values(), strict=True)]
     return {
@@ -304,20 +292,19 @@ def _gemm_floor(cfg: BenchConfig) -> dict[str, Any]:
     }
 
 
-def _dynamic_check(cfg: BenchConfig, fn: Callable, info: dict[str, Any]) -> dict[str, Any]:
+def _dynamic_check(cfg: BenchConfig, fn: Callable) -> dict[str, Any]:
     """Run every length in ``cfg.dynamic_lengths`` once; record new graphs and tile traces."""
     device = torch.device(cfg.device)
     per_length = []
     for n in cfg.dynamic_lengths:
         hidden, weight, labels = _make_inputs(cfg, tokens=n)
         graphs, traces = _graph_count(), _tile_traces()
-        t0 = time.perf_counter()
-        fn(hidden, weight, labels, *form_inputs(cfg.form, hidden, weight, labels)).backward()
-        _sync(device)
+        step = training_step(fn, hidden, weight, labels, form_inputs(cfg.form, hidden, weight, labels))
+        _, seconds = timed(step, device)
         per_length.append(
             {
                 "tokens": n,
-                "seconds": time.perf_counter() - t0,
+                "seconds": seconds,
                 "new_graphs": _graph_count() - graphs,
                 "new_tile_traces": _tile_traces() - traces,
             }
@@ -338,7 +325,7 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
     info: dict[str, Any] = {}
     fn = _build(cfg, info)
     if cfg.dynamic_lengths:
-        return {**out, **_dynamic_check(cfg, fn, info)}
+        return {**out, **_dynamic_check(cfg, fn)}
 
     hidden, weight, labels = _make_inputs(cfg)
 
@@ -346,10 +333,7 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        first = time.perf_counter() - t0
+        _, first = timed(step, device)
     graphs_after_first = _graph_count()
     hidden.grad = None
     weight.grad = None
@@ -363,8 +347,7 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
         notes.append(info["note"])
     if "autochunker_events" in info:
         events = info["autochunker_events"]
-        fired = any(e == "chunked" for e in events)
-        out["fired"] = fired
+        out["fired"] = fired = "chunked" in events
         notes.append(("fired" if fired else "did not fire") + (f" ({'; '.join(events)})" if events else ""))
     if "backend" in info:
         rewrites = info["backend"].report().rewrites
@@ -432,10 +415,7 @@ def run_interleaved(cfgs: Sequence[BenchConfig], rounds: int) -> list[list[float
     for round_index in range(rounds):
         order = range(len(cfgs)) if round_index % 2 == 0 else reversed(range(len(cfgs)))
         for i in order:
-            t0 = time.perf_counter()
-            steps[i]()
-            _sync(device)
-            times[i].append(time.perf_counter() - t0)
+            times[i].append(timed(steps[i], device)[1])
     return times
 
 
@@ -492,8 +472,6 @@ def measure_fresh(
 
 def importable(module: str) -> bool:
     """Whether an optional implementation's package can be imported."""
-    import importlib.util
-
     return importlib.util.find_spec(module) is not None
 
 
@@ -582,17 +560,13 @@ def run_benchmark(
             tokens=tokens, hidden=hidden, vocab=vocab, dtype=dtype, device=device, ignore_every=ignore_every
         )
         configs = [BenchConfig(impl=FLOOR, repeats=repeats, check=False, **shape)] if floor else []
-        for form in forms:
-            for impl in impls:
-                if form != "ce" and impl not in _ANY_FORM:
-                    continue
-                tiles = tile_tokens if impl == "tile_pass" else (None,)
-                for tile in tiles:
-                    configs.append(
-                        BenchConfig(
-                            impl=impl, tile_tokens=tile, repeats=repeats, check=check, form=form, **shape
-                        )
-                    )
+        configs += [
+            BenchConfig(impl=impl, tile_tokens=tile, repeats=repeats, check=check, form=form, **shape)
+            for form in forms
+            for impl in impls
+            if form == "ce" or impl in _ANY_FORM
+            for tile in (tile_tokens if impl == "tile_pass" else (None,))
+        ]
         shape_rows = []
         for cfg in configs:
             row = measure_fresh(cfg, timeout=timeout, warm_cache=warm_cache)
@@ -655,14 +629,12 @@ def run_dynamic(
     warm_cache: bool = False,
 ) -> list[dict[str, Any]]:
     """Compile each implementation with ``dynamic=True`` and run ``lengths`` in one child."""
-    rows = []
-    for impl in impls:
-        cfg = BenchConfig(
-            impl=impl, tokens=max(lengths), hidden=hidden, vocab=vocab, dtype=dtype, device=device,
-            check=False, dynamic_lengths=list(lengths),
-        )  # fmt: skip
-        rows.append(measure_fresh(cfg, timeout=timeout, warm_cache=warm_cache))
-    return rows
+    shape = dict(tokens=max(lengths), hidden=hidden, vocab=vocab, dtype=dtype, device=device)
+    return [
+        measure_fresh(BenchConfig(impl=impl, check=False, dynamic_lengths=list(lengths), **shape),
+                      timeout=timeout, warm_cache=warm_cache)
+        for impl in impls
+    ]  # fmt: skip
 
 
 # ------------------------------------------------------------------ table output
@@ -823,14 +795,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     """The command line: measure, print the table, optionally write JSON."""
     args = _parse(argv)
     impls = args.impl.split(",") if args.impl else default_impls(args.device)
-    for impl in impls:
-        if impl not in IMPLS:
-            raise SystemExit(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
+    if args.impl is None and (args.dynamic or args.sweep_tile):
+        impls = ["inductor", "tile_pass"]
     dtypes = args.dtype.split(",")
     forms = args.form.split(",")
-    for form in forms:
-        if form not in LOSS_FORMS:
-            raise SystemExit(f"unknown form {form!r}; choose from {', '.join(LOSS_FORMS)}")
+    for what, names, known in (("implementation", impls, IMPLS), ("form", forms, LOSS_FORMS)):
+        for name in names:
+            if name not in known:
+                raise SystemExit(f"unknown {what} {name!r}; choose from {', '.join(known)}")
     result: dict[str, Any] = {"machine": machine_info(), "argv": list(sys.argv[1:] if argv is None else argv)}
 
     def progress(row: dict[str, Any]) -> None:
@@ -842,8 +814,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     if args.dynamic:
         lengths = dynamic_lengths(args.tokens[-1], args.hidden[0], args.vocab[0])
-        if args.impl is None:
-            impls = ["inductor", "tile_pass"]
         rows = run_dynamic(
             impls, lengths, hidden=args.hidden[0], vocab=args.vocab[0], dtype=dtypes[0],
             device=args.device, timeout=args.timeout, warm_cache=args.warm_cache,
@@ -859,10 +829,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             shapes = list(itertools.product(args.tokens, args.hidden, args.vocab, dtypes))
         tiles: list[int | None] = [None]
         if args.sweep_tile:
-            if args.impl is None:
-                impls = ["inductor", "tile_pass"]
-            sweep = args.tiles or [t for t in SWEEP_TILES if t <= max(s[0] for s in shapes)]
-            tiles += sweep
+            tiles += args.tiles or [t for t in SWEEP_TILES if t <= max(s[0] for s in shapes)]
         rows = run_benchmark(
             shapes, impls, device=args.device, repeats=args.repeats, check=not args.no_check,
             floor=not args.no_floor, tile_tokens=tiles, timeout=args.timeout,
@@ -876,22 +843,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             json.dump(result, out, indent=1, default=str)
 
 
-def _child_main() -> None:
+def _config(raw: dict[str, Any]) -> BenchConfig:
+    """A config from its JSON form (keys BenchConfig does not have are ignored)."""
     fields = {f.name for f in dataclasses.fields(BenchConfig)}
-    raw = json.loads(sys.argv[2])
-    print(json.dumps(run_child(BenchConfig(**{k: v for k, v in raw.items() if k in fields}))))
-
-
-def _child_interleaved_main() -> None:
-    fields = {f.name for f in dataclasses.fields(BenchConfig)}
-    cfgs = [BenchConfig(**{k: v for k, v in raw.items() if k in fields}) for raw in json.loads(sys.argv[3])]
-    print(json.dumps(run_interleaved(cfgs, int(sys.argv[2]))))
+    return BenchConfig(**{k: v for k, v in raw.items() if k in fields})
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        _child_main()
+        print(json.dumps(run_child(_config(json.loads(sys.argv[2])))))
     elif len(sys.argv) > 3 and sys.argv[1] == "--child-interleaved":
-        _child_interleaved_main()
+        cfgs = [_config(raw) for raw in json.loads(sys.argv[3])]
+        print(json.dumps(run_interleaved(cfgs, int(sys.argv[2]))))
     else:
         main()

@@ -117,10 +117,8 @@ class Backend:
         report = result.report
         self._graphs_seen += 1
         self.reports.append(report)
-        for rewrite in report.rewrites:
-            log.info("%s", rewrite)
-        for skip in report.skipped:
-            log.info("%s", skip)
+        for decision in [*report.rewrites, *report.skipped]:
+            log.info("%s", decision)
         if report.rewrites:
             log.debug("rewritten graph %d:\n%s", report.index, gm.code)
         _dump.emit(gm, before, report, dump_dir)
@@ -249,17 +247,9 @@ def backend(
     ``strict=True`` (default: the ``TILE_PASS_STRICT`` environment variable) raises instead.
     """
     return Backend(
-        inner,
-        tile_tokens=tile_tokens,
-        tile_bytes=tile_bytes,
-        drop_logits=drop_logits,
-        dump_dir=dump_dir,
-        validate=validate,
-        compile_tiles=compile_tiles,
-        mode=mode,
-        options=options,
-        strict=strict,
-    )
+        inner, tile_tokens=tile_tokens, tile_bytes=tile_bytes, drop_logits=drop_logits, dump_dir=dump_dir,
+        validate=validate, compile_tiles=compile_tiles, mode=mode, options=options, strict=strict,
+    )  # fmt: skip
 
 
 def _with_rebuilt_outputs(compiled: Callable, num_outputs: int, records) -> Callable:

@@ -15,9 +15,7 @@ _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S
 def source_line(node) -> str:
     """``file:line (function): code`` of the user frame that produced ``node``, or ``?``."""
     trace = node.meta.get("stack_trace") if node is not None else None
-    if not trace:
-        return "?"
-    frames = list(_FRAME.finditer(trace))
+    frames = list(_FRAME.finditer(trace or ""))
     if not frames:
         return "?"
     last = frames[-1]
@@ -178,4 +176,3 @@ def _fmt_bytes(n: int | str) -> str:
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)

@@ -46,14 +46,6 @@ class GraphRewrite:
     original_graph: torch.fx.Graph | None = None
 
 
-def _tensor_parallel_text(tensor_parallel: tuple[int, int, int] | None) -> str:
-    if tensor_parallel is None:
-        return ""
-    degree, start, rows = tensor_parallel
-    last = start + rows - 1
-    return f" [tensor-parallel: degree {degree}, this rank's vocabulary rows {start}..{last}; bytes per rank]"
-
-
 def _is_loss(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in (F.cross_entropy, F.nll_loss)
 
@@ -238,9 +230,11 @@ def _rewrite_row_regions(
         kept = sum(value.numel() * value.element_size() for value in returned)
         outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
         shard = region.program.shard  # a vocabulary-sharded head: bytes are this rank's
-        parallel = "" if shard is None else _tensor_parallel_text(
-            (torch.distributed.distributed_c10d._resolve_process_group(shard[0]).size(), shard[1], vocab)
-        )  # fmt: skip
+        parallel = ""
+        if shard is not None:
+            degree = torch.distributed.distributed_c10d._resolve_process_group(shard[0]).size()
+            parallel = (f" [tensor-parallel: degree {degree}, this rank's vocabulary rows {shard[1]}.."
+                        f"{shard[1] + vocab - 1}; bytes per rank]")  # fmt: skip
         report.rewrites.append(
             Rewrite(
                 graph=report.index,

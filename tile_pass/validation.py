@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tile_pass._oracle import ValidationError, ValidationResult, as_double, compare, finish, is_float
+from tile_pass._oracle import ValidationError, ValidationResult, as_double, compare, finish, fresh, is_float
 from tile_pass.dynamo_backend import Backend
 
 __all__ = ["ValidationError", "ValidationResult", "validate"]
@@ -56,10 +56,8 @@ def validate(
     reference = copy.deepcopy(model_or_fn).double() if is_module else model_or_fn
     args64 = [as_double(a) for a in args]
     kwargs64 = {k: as_double(v) for k, v in kwargs.items()}
-    args_test = [a.detach().clone().requires_grad_(a.requires_grad) if is_float(a) else a for a in args]
-    kwargs_test = {
-        k: v.detach().clone().requires_grad_(v.requires_grad) if is_float(v) else v for k, v in kwargs.items()
-    }
+    args_test = [fresh(a) for a in args]
+    kwargs_test = {k: fresh(v) for k, v in kwargs.items()}
 
     loss = _loss_of(torch.compile(model_or_fn, backend=backend)(*args_test, **kwargs_test))
     ref_loss = _loss_of(reference(*args64, **kwargs64))

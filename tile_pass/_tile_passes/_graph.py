@@ -58,10 +58,20 @@ def results(gm: torch.fx.GraphModule) -> tuple[list, bool]:
 
 def graph_nodes(root: torch.fx.GraphModule):
     """Every ``(graph module, node)`` of ``root`` and of the graph modules nested in it (the
-    parts of a split tile), listed up front so that a pass may add and erase nodes."""
+    parts of a split tile), listed up front so that a pass may add and erase nodes; the calls
+    of those nested modules (``call_module``) are not listed: no pass rewrites them."""
     for module in [m for m in root.modules() if isinstance(m, torch.fx.GraphModule)]:
-        for node in list(module.graph.nodes):
+        for node in [n for n in module.graph.nodes if n.op != "call_module"]:
             yield module, node
+
+
+def replace_with_call(gm: torch.fx.GraphModule, node: torch.fx.Node, op: str, target, args) -> None:
+    """Put a call of ``target`` (``op``: ``call_function`` or ``call_module``) in ``node``'s place."""
+    with gm.graph.inserting_before(node):
+        call = gm.graph.create_node(op, target, tuple(args))
+    call.meta = dict(node.meta)
+    node.replace_all_uses_with(call)
+    gm.graph.erase_node(node)
 
 
 def recompile_all(root: torch.fx.GraphModule) -> None:

@@ -10,7 +10,7 @@ import torch.fx
 from tile_pass import _settings
 from tile_pass._logging import log
 from tile_pass._tile_kernel import TileKernelKey
-from tile_pass._tile_passes._graph import aten, graph_nodes, recompile_all
+from tile_pass._tile_passes._graph import aten, graph_nodes, recompile_all, replace_with_call
 
 
 def onednn_gemms_apply(device: torch.device) -> bool:
@@ -52,8 +52,6 @@ def run(root: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:
     :func:`_onednn_mm`; the in-place weight-gradient ``addmm_`` stays aten's."""
     routed = 0
     for gm, node in graph_nodes(root):
-        if node.op == "call_module":
-            continue
         vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args]
         if not vals or not all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in vals):
             continue
@@ -63,11 +61,7 @@ def run(root: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:
             args = (node.args[1], node.args[2], node.args[0])
         else:
             continue
-        with gm.graph.inserting_before(node):
-            call = gm.graph.call_function(_onednn_mm, args)
-        call.meta = dict(node.meta)
-        node.replace_all_uses_with(call)
-        gm.graph.erase_node(node)
+        replace_with_call(gm, node, "call_function", _onednn_mm, args)
         routed += 1
     recompile_all(root)
     log.debug("tile %s: %d GEMMs on oneDNN", key, routed)

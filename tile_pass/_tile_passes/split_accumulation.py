@@ -17,6 +17,7 @@ from tile_pass._tile_passes._graph import (
     chain_to,
     graph_nodes,
     recompile_all,
+    replace_with_call,
     strip_transpose_pairs,
 )
 
@@ -85,8 +86,6 @@ def run(root: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:
     compiled tiles each block is added by one Inductor kernel."""
     rewritten = 0
     for gm, node in graph_nodes(root):
-        if node.op == "call_module":
-            continue
         if node.target is not torch.ops.tile_pass.split_accumulate_.default:
             continue
         hi, lo, update = node.args
@@ -116,10 +115,7 @@ def run(root: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:
             add_and_round = _split_sum_cpu.add_and_round(*row, key.weight_dtype)
         name = f"_split_accumulate_{rewritten}"
         gm.add_submodule(name, _BlockedSplitAccumulate(add, store, add_and_round))
-        with gm.graph.inserting_before(node):
-            call = gm.graph.call_module(name, (hi, lo, *product.args))
-        call.meta = dict(node.meta)
-        gm.graph.erase_node(node)
+        replace_with_call(gm, node, "call_module", name, (hi, lo, *product.args))
         for dead in chain:
             gm.graph.erase_node(dead)
         rewritten += 1

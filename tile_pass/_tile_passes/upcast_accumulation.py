@@ -12,6 +12,7 @@ from tile_pass._tile_passes._graph import (
     chain_to,
     graph_nodes,
     recompile_all,
+    replace_with_call,
     strip_transpose_pairs,
 )
 from tile_pass._tile_passes.compiled_middle import Compiled
@@ -61,8 +62,6 @@ def run(root: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:
     """
     compiled = 0
     for gm, node in graph_nodes(root):
-        if node.op == "call_module":
-            continue
         if node.target is not aten.add_.Tensor or len(node.args) != 2 or node.kwargs:
             continue
         vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args]
@@ -99,11 +98,7 @@ def run(root: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:
             module._is_impure = True  # it mutates acc; its result is unused
             gm.add_submodule(name, module)
             args = node.args
-        with gm.graph.inserting_before(node):
-            call = gm.graph.call_module(name, args)
-        call.meta = dict(node.meta)
-        node.replace_all_uses_with(call)
-        gm.graph.erase_node(node)
+        replace_with_call(gm, node, "call_module", name, args)
         if blocked:  # the full-size product and its views are no longer used
             for dead in chain_to(update, product):
                 gm.graph.erase_node(dead)
