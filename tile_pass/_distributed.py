@@ -25,6 +25,7 @@ the shard given explicitly, :data:`VOCAB_SHARD_META`).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -164,13 +165,8 @@ def shard_elementwise(target, op: str, replicated: tuple[int, ...], group_name: 
 def shard_step(step, group_name: str, vocab_start: int, vocab_size: int):
     """The group-wide form of a region step over the vocabulary, or ``None`` where there is no
     such form here (the caller declines the region, naming the op)."""
-    from tile_pass._region import Step
-
     kwargs = dict(step.kwargs)
-    if step.op == "call_method":
-        function = _METHOD_STEPS.get(step.target)
-    else:
-        function = _FUNCTION_STEPS.get(step.target)
+    function = (_METHOD_STEPS if step.op == "call_method" else _FUNCTION_STEPS).get(step.target)
     if function is None or "weight" in kwargs:
         return None
     shard = {"group_name": group_name}
@@ -178,8 +174,9 @@ def shard_step(step, group_name: str, vocab_start: int, vocab_size: int):
         shard["vocab_start"] = vocab_start
     if function in (shard_mean, shard_cross_entropy):
         shard["vocab_size"] = vocab_size
-    return Step("call_function", function, step.args, tuple({**kwargs, **shard}.items()), step.autocast,
-                step.source)  # fmt: skip
+    return dataclasses.replace(
+        step, op="call_function", target=function, kwargs=tuple({**kwargs, **shard}.items())
+    )
 
 
 def run_sharded_region(hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, *, program: str,
@@ -248,7 +245,6 @@ def local_head(
                 f"tile_pass: {name} must be replicated over the tensor-parallel mesh; got "
                 f"{tuple(value.placements)} (redistribute it to [Replicate()])"
             )
-    hidden = hidden.to_local() if isinstance(hidden, DTensor) else hidden
-    target = target.to_local() if isinstance(target, DTensor) else target
+    hidden, target = (t.to_local() if isinstance(t, DTensor) else t for t in (hidden, target))
     start, rows = shard_rows(operator.index(weight.shape[0]), mesh.size(), mesh.get_local_rank())
     return hidden, weight.to_local(), target, (mesh.get_group().group_name, start, rows)

@@ -46,18 +46,13 @@ def emit(
         "skipped": [dataclasses.asdict(s) for s in report.skipped],
     }
     if structured_tracing_enabled():
-        for name, payload in (("before", before), ("after", after)):
+        artifacts = [("graph_before", "string", before), ("graph_after", "string", after)]
+        for name, encoding, payload in [*artifacts, ("decisions", "json", json.dumps(decisions))]:
             if payload is not None:
+                metadata = {"name": f"tile_pass_{name}", "encoding": encoding}
                 torch._logging.trace_structured(
-                    "artifact",
-                    metadata_fn=lambda name=name: {"name": f"tile_pass_graph_{name}", "encoding": "string"},
-                    payload_fn=lambda payload=payload: payload,
+                    "artifact", metadata_fn=lambda m=metadata: m, payload_fn=lambda p=payload: p
                 )
-        torch._logging.trace_structured(
-            "artifact",
-            metadata_fn=lambda: {"name": "tile_pass_decisions", "encoding": "json"},
-            payload_fn=lambda: json.dumps(decisions),
-        )
     if not dump_dir:
         return
     folder = Path(dump_dir)

@@ -19,16 +19,12 @@ import torch
 import torch.fx
 
 from tile_pass import _rules
+from tile_pass._region import target_name
 
 #: ops over trailing dimensions whose integer arguments are dimensions
 _DIM_OPS = {"logsumexp", "log_softmax", "softmax", "gather", "sum", "mean", "amax", "amin", "squeeze",
             "unsqueeze"}  # fmt: skip
 _FOLDABLE = set(_rules.RuleKind) - {_rules.RuleKind.INPLACE, _rules.RuleKind.GETITEM, _rules.RuleKind.LOSS}
-
-
-def _name(node: torch.fx.Node) -> str:
-    target = node.target
-    return target if isinstance(target, str) else getattr(target, "__name__", "")
 
 
 def _row_of(node, batch: int):
@@ -50,7 +46,7 @@ def _foldable(node: torch.fx.Node) -> bool:
     rule = _rules.rule_for(node)
     if rule is None or rule.kind not in _FOLDABLE:
         return False
-    if _name(node).strip("_") not in _DIM_OPS:
+    if target_name(node.target).strip("_") not in _DIM_OPS:
         return rule.kind is _rules.RuleKind.ELEMENTWISE
     dims = [a for a in node.args[1:] if isinstance(a, int) and not isinstance(a, bool)]
     dims += [v for k, v in node.kwargs.items() if k == "dim"]

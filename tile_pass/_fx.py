@@ -51,6 +51,15 @@ def val(node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast is on with for ``device_type`` here, or ``None``."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (e.g. meta)
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
+
+
 def same(a, b) -> bool:
     if isinstance(a, int) and isinstance(b, int):
         return a == b
@@ -59,14 +68,6 @@ def same(a, b) -> bool:
 
 def same_shape(a, b) -> bool:
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-
-
-def numel(shape) -> object:
-    """The product of ``shape``'s sizes, symbolic where they are."""
-    total = 1
-    for size in shape:
-        total = total * size
-    return total
 
 
 def transposed_weight(node) -> torch.fx.Node | None:
@@ -78,15 +79,13 @@ def transposed_weight(node) -> torch.fx.Node | None:
     if source_val is None or source_val.dim() != 2:
         return None
     target, rest = node.target, tuple(node.args[1:])
-    if node.op == "call_method" and target == "t" or target is torch.t:
-        return source
-    if node.op == "call_function" and target is getattr and rest in (("T",), ("mT",)):
-        return source
-    if target in ("transpose", torch.transpose) and {d % 2 for d in rest} == {0, 1}:
-        return source
-    if target == "permute" and [d % 2 for d in rest] == [1, 0]:
-        return source
-    return None
+    transposes = (
+        (node.op == "call_method" and target == "t" or target is torch.t)
+        or (node.op == "call_function" and target is getattr and rest in (("T",), ("mT",)))
+        or (target in ("transpose", torch.transpose) and {d % 2 for d in rest} == {0, 1})
+        or (target == "permute" and [d % 2 for d in rest] == [1, 0])
+    )
+    return source if transposes else None
 
 
 def as_linear(node: torch.fx.Node):

@@ -25,15 +25,16 @@ stopped the region, and the graph is left as it was.
 
 from __future__ import annotations
 
+import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tile_pass import _region, _rules
-from tile_pass._fx import NoMatch, as_linear, describe, leading_index, numel, same, same_shape, val
+from tile_pass import _fx, _region, _rules
+from tile_pass._fx import NoMatch, as_linear, describe, leading_index, same, same_shape, val
 from tile_pass._region import Layout, Output, ReductionProgram, Ref, RefKind, RowProgram, Step, target_name
 from tile_pass._returned_logits import ReturnedLogits
 from tile_pass._rules import PREVIOUS_STEP, AfterTiles, Classified, RuleKind, Shape, TokenReduction
@@ -113,23 +114,6 @@ def _autocast_states(graph: torch.fx.Graph) -> dict[torch.fx.Node, tuple]:
     return states
 
 
-def _ambient_autocast(device_type: str) -> tuple[str, torch.dtype] | None:
-    """The autocast state the graph is compiled under (AOTAutograd traces it under this too)."""
-    try:
-        if torch.is_autocast_enabled(device_type):
-            return device_type, torch.get_autocast_dtype(device_type)
-    except RuntimeError:
-        pass
-    return None
-
-
-def _state_for(contexts: tuple, ambient, device_type: str):
-    for context_device, dtype, enabled in reversed(contexts):
-        if context_device == device_type:
-            return (device_type, dtype) if enabled else None
-    return ambient
-
-
 def _projection_like(node: torch.fx.Node) -> bool:
     """A linear layer or matmul: where the logits' cone stops (a later layer's inputs)."""
     try:
@@ -164,7 +148,7 @@ def _after_tiles(flat: torch.Tensor, how: TokenReduction, hidden: torch.Tensor, 
 def _per_token(x: torch.Tensor, hidden: torch.Tensor, flat_tokens: bool, part_dims: int) -> torch.Tensor:
     """A per-token operand as the tiles take it: ``[N, *part]``, broadcast token dims expanded."""
     part = tuple(x.shape[x.dim() - part_dims :]) if part_dims else ()
-    tokens = (numel(hidden.shape[:-1]),) if flat_tokens else tuple(hidden.shape[:-1])
+    tokens = (math.prod(hidden.shape[:-1]),) if flat_tokens else tuple(hidden.shape[:-1])
     return x.expand(*tokens, *part).reshape(-1, *part)
 
 
@@ -182,8 +166,7 @@ class _ProgramPrefix(torch.nn.Module):
         self.program, self.output, self.flat_tokens, self.has_bias = program, output, flat_tokens, has_bias
 
     def forward(self, hidden, weight, *rest):
-        bias = rest[0] if self.has_bias else None
-        rest = rest[1:] if self.has_bias else rest
+        bias, rest = (rest[0], rest[1:]) if self.has_bias else (None, rest)
         count = len(self.program.token_layouts)
         flat = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
         outputs = _region.run_program(
@@ -271,8 +254,7 @@ def _shard_program_steps(matcher) -> list[Step]:
                 raise NoMatch("{} ({}) has no tensor-parallel form yet", step.describe(), step.source)
             step = sharded
         elif reads_rows and step.target == "reshape" and layout is Layout.ROWS:
-            args = (*step.args[:-1], rows)
-            step = Step(step.op, step.target, args, step.kwargs, step.autocast, step.source)
+            step = replace(step, args=(*step.args[:-1], rows))
         elif layout is Layout.ROWS:  # an elementwise step of the rows
             replicated = tuple(
                 i for i, a in enumerate(step.args)
@@ -282,9 +264,8 @@ def _shard_program_steps(matcher) -> list[Step]:
             if any(isinstance(v, Ref) and v.kind is RefKind.VALUE for _, v in step.kwargs):
                 raise NoMatch("{} ({}) takes a computed value by keyword", step.describe(), step.source)
             if replicated:
-                step = Step("call_function", shard_elementwise,
-                            (step.target, step.op, replicated, group_name, *step.args), step.kwargs,
-                            step.autocast, step.source)  # fmt: skip
+                args = (step.target, step.op, replicated, group_name, *step.args)
+                step = replace(step, op="call_function", target=shard_elementwise, args=args)
         steps.append(step)
     return steps
 
@@ -315,9 +296,11 @@ class RegionMatcher:
         if not out_val.is_floating_point():
             raise NoMatch("the logits are not floating point")
         self.device_type = out_val.device.type
-        self.ambient = _ambient_autocast(self.device_type)
+        # the autocast state the graph is compiled under (AOTAutograd traces it under this too)
+        ambient_dtype = _fx.autocast_dtype(self.device_type)
+        self.ambient = None if ambient_dtype is None else (self.device_type, ambient_dtype)
         self.hidden_tokens = tuple(hidden_val.shape[:-1])
-        self.num_tokens = numel(self.hidden_tokens)
+        self.num_tokens = math.prod(self.hidden_tokens)
         dtypes = {v.dtype for v in (hidden_val, weight_val, val(self.bias)) if v is not None}
         self.autocast_dtype = None
         if dtypes != {out_val.dtype}:
@@ -414,10 +397,12 @@ class RegionMatcher:
     # ---------------------------------------------------------------- rules
 
     def step(self, node, target, args, kwargs=(), op="call_function") -> Step:
-        contexts = self.autocast_states.get(node, ())
-        state = _state_for(contexts, self.ambient, self.device_type)
-        return Step(op, target, tuple(args), tuple(kwargs), state,
-                    source_line(node))  # fmt: skip
+        state = self.ambient  # unless an autocast context around the node sets this device's
+        for context_device, dtype, enabled in reversed(self.autocast_states.get(node, ())):
+            if context_device == self.device_type:
+                state = (self.device_type, dtype) if enabled else None
+                break
+        return Step(op, target, tuple(args), tuple(kwargs), state, source_line(node))
 
     def token_slice(self, node: torch.fx.Node) -> bool:
         """``logits[:, :-1, :]``, ``logits[..., -k:, :]``: a selection of token rows of the logits
@@ -443,7 +428,7 @@ class RegionMatcher:
         self.slices.append(index)
         self.slice_nodes.append(node)
         self.slice_steps.append(len(self.steps))  # where "slice tokens" reads in the report
-        self.hidden_tokens, self.num_tokens = tokens, numel(tokens)
+        self.hidden_tokens, self.num_tokens = tokens, math.prod(tokens)
         self.values[node] = (self.values[source][0], Shape(Layout.ROWS, tokens))
         return True
 
@@ -477,8 +462,9 @@ class RegionMatcher:
                 read = val(node.args[0] if node.args else node.kwargs.get("input"))  # over this vocabulary
                 self.head_signs |= sign and read is not None and same(read.shape[-1], self.vocab)
             if any(a in self.depends and a not in self.values for a in node.all_input_nodes):
-                why = NoMatch("{} reads a value computed from the logits outside the region", node)
-                self.outside[node] = why
+                self.outside[node] = NoMatch(
+                    "{} reads a value computed from the logits outside the region", node
+                )
                 continue
             if self.shard is not None and _no_op_redistribute(node):
                 self.values[node] = self.values[node.args[0]]  # ColwiseParallel's output hook
@@ -502,8 +488,7 @@ class RegionMatcher:
         index = len(self.steps) + 1
         step = entry.step
         if step.args and step.args[0] == PREVIOUS_STEP:
-            step = Step(step.op, step.target, (Ref(RefKind.VALUE, index - 1), *step.args[1:]), step.kwargs,
-                        step.autocast, step.source)  # fmt: skip
+            step = replace(step, args=(Ref(RefKind.VALUE, index - 1), *step.args[1:]))
         self.steps.append(step)
         self.step_shapes.append(entry.shape)
         self.step_kinds.append(_rules.rule_for(node).kind)
@@ -521,14 +506,11 @@ class RegionMatcher:
         outputs = []
         for node, (index, shape) in self.values.items():
             users = [u for u in node.users if u not in self.values]
-            if node in self.after:
-                if users:
-                    after, tile_shape = self.after[node]
-                    outputs.append(
-                        RegionOutput(node, index, tile_shape, bool(val(node).requires_grad), after)
-                    )
-                continue
             if not users:
+                continue
+            if node in self.after:
+                after, tile_shape = self.after[node]
+                outputs.append(RegionOutput(node, index, tile_shape, bool(val(node).requires_grad), after))
                 continue
             if shape.layout is Layout.TUPLE:
                 raise NoMatch("{} is used whole; take its values and indices apart first", node)
@@ -545,9 +527,8 @@ class RegionMatcher:
                 if self.drop_rows and all(u.op == "output" for u in users) and not self.slices:
                     self.dropped.append(node)
                     continue
-                blocking = [u for u in users if u.op != "output"]
-                if blocking:
-                    user = blocking[0]
+                user = next((u for u in users if u.op != "output"), None)
+                if user is not None:  # it must exist whole for a reader that is not the output
                     why = self.outside.get(user)
                     detail = str(why).removeprefix(describe(user)).strip(" ,:") if why else "is not row-wise"
                     raise NoMatch("the logits ({}) are also consumed by {}, which {}; so they must exist "
@@ -627,8 +608,7 @@ class RegionMatcher:
         sinks = [n for n in [o.node for o in diff] + nodes if any(u not in members for u in n.users)]
         if len(sinks) != 1:
             return None
-        sink = sinks[0]
-        sink_val = val(sink)
+        sink, sink_val = sinks[0], val(sinks[0])
         if sink_val is None or sink_val.dim() != 0 or not sink_val.requires_grad:
             return None
         return nodes, steps, sink, inputs, env[sink].index
@@ -701,11 +681,12 @@ def first_stop(
 def _build_region(matcher: RegionMatcher, outputs: list[RegionOutput]) -> RowRegion:
     """Phases 4 and 5: the scalar loss, then the program registered and the region's record."""
     reduction = matcher.scalar_loss(outputs)
+    reduction_nodes, reduction_steps, sink, reduce_inputs, result = reduction or ([], (), None, [], None)
+    in_loss = set(reduction_nodes)
     steps_text = [matcher.head_form if matcher.autocast_dtype is None
                   else f"autocast({str(matcher.autocast_dtype)[6:]}) {matcher.head_form}"]  # fmt: skip
     for position, step in enumerate(matcher.steps):
         steps_text += ["slice tokens"] * matcher.slice_steps.count(position) + [step.describe()]
-    in_loss, sink = (set(reduction[0]), reduction[2]) if reduction is not None else (set(), None)
 
     def zeros(o):  # where the output is zero whatever the logits: tokens the tiles may skip
         return matcher.zeros.get(o.value) if o.shape.layout is not Layout.ROWS else None
@@ -718,8 +699,7 @@ def _build_region(matcher: RegionMatcher, outputs: list[RegionOutput]) -> RowReg
     )  # fmt: skip
     reduction_program = None
     if reduction is not None:
-        nodes, steps, sink, inputs, result = reduction
-        reduction_program = ReductionProgram(tuple(steps), result, val(sink).dtype)
+        reduction_program = ReductionProgram(tuple(reduction_steps), result, val(sink).dtype)
     steps, vocab_size, shard = tuple(matcher.steps), int(matcher.vocab), None
     if matcher.shard is not None:
         if any(o.shape.layout is Layout.ROWS for o in outputs):
@@ -735,13 +715,12 @@ def _build_region(matcher: RegionMatcher, outputs: list[RegionOutput]) -> RowReg
         num_row_inputs=len(matcher.row_inputs), has_bias=matcher.bias is not None,
         index_checks=tuple(matcher.index_checks), reduction=reduction_program, form=" -> ".join(steps_text),
     ))  # fmt: skip
-    nodes, _, sink, reduce_inputs, _ = reduction or ([], None, None, [], None)
     return RowRegion(
         projection=matcher.projection, hidden=matcher.hidden, weight=matcher.weight, bias=matcher.bias,
         autocast_dtype=matcher.autocast_dtype,
         nodes=[n for n in (matcher.transpose, matcher.projection) if n is not None] + matcher.nodes,
         token_inputs=matcher.token_inputs, row_inputs=matcher.row_inputs, outputs=outputs, program=program,
-        reduction_nodes=nodes, sink=sink, reduce_inputs=reduce_inputs, steps_text=steps_text,
+        reduction_nodes=reduction_nodes, sink=sink, reduce_inputs=reduce_inputs, steps_text=steps_text,
         dropped=matcher.dropped, kept_whole=matcher.kept_whole, slices=matcher.slices,
         num_tokens=matcher.num_tokens,
     )  # fmt: skip

@@ -68,14 +68,11 @@ def rebuild_outputs(outputs, num_outputs: int, records: list[ReturnedLogits]):
     values = list(outputs[:num_outputs])
     extras = outputs[num_outputs:]
     for record in records:
-        inputs = [extras[i] for i in record.extra_outputs]
+        inputs, at = [extras[i] for i in record.extra_outputs], record.output_index
         if record.prefix is None:  # dropped
             hidden = inputs[0]
             nan = torch.full((), float("nan"), dtype=record.dtype, device=hidden.device)
-            values[record.output_index] = nan.expand(*hidden.shape[:-1], record.vocab_size)
-            continue
-        logits = values[record.output_index]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-            logits = _LogitsGrad.apply(record.prefix, logits, *inputs)
-        values[record.output_index] = logits
+            values[at] = nan.expand(*hidden.shape[:-1], record.vocab_size)
+        elif torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            values[at] = _LogitsGrad.apply(record.prefix, values[at], *inputs)
     return type(outputs)(values) if isinstance(outputs, tuple) else values

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tile_pass._fx import NoMatch, numel, same, same_shape, val
+from tile_pass._fx import NoMatch, same, same_shape, val
 from tile_pass._region import Layout, Ref, RefKind, Step, row_part, target_name
 
 
@@ -260,14 +261,14 @@ def _view(matcher, node: torch.fx.Node) -> list[Classified]:
     if target_name(node.target) == "contiguous":
         return [Classified(matcher.step(node, "contiguous", (source,), op="call_method"), shape)]
     sizes = tuple(val(node).shape)
-    count = numel(shape.tokens)
+    count = math.prod(shape.tokens)
     if shape.layout is Layout.ROWS:
-        if not (sizes and same(sizes[-1], matcher.vocab) and same(numel(sizes[:-1]), count)):
+        if not (sizes and same(sizes[-1], matcher.vocab) and same(math.prod(sizes[:-1]), count)):
             raise NoMatch("{} reshapes across the vocabulary dimension", node)
         new = Shape(Layout.ROWS, sizes[:-1])
-    elif sizes and same(sizes[-1], 1) and same(numel(sizes[:-1]), count) and len(sizes) > 1:
+    elif sizes and same(sizes[-1], 1) and same(math.prod(sizes[:-1]), count) and len(sizes) > 1:
         new = Shape(Layout.TOKENS1, sizes[:-1])
-    elif same(numel(sizes), count):
+    elif same(math.prod(sizes), count):
         new = Shape(Layout.TOKENS, sizes)
     else:
         raise NoMatch("{} reshapes across the tokens", node)

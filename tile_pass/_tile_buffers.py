@@ -74,14 +74,13 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     nbytes = tensor.numel() * tensor.element_size()
     if tensor.device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES or not _settings.current().huge_pages:
         return tensor
-    if is_fake(tensor):  # traced, not run
-        return tensor
     madvise = _madvise()
-    if madvise is not None:
-        start = -(-tensor.data_ptr() // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
-        stop = (tensor.data_ptr() + nbytes) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
-        if stop > start:
-            madvise(start, stop - start, _MADV_HUGEPAGE)
+    if madvise is None or is_fake(tensor):  # a fake tensor: traced, not run
+        return tensor
+    start = -(-tensor.data_ptr() // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
+    stop = (tensor.data_ptr() + nbytes) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
+    if stop > start:
+        madvise(start, stop - start, _MADV_HUGEPAGE)
     return tensor
 
 

@@ -173,13 +173,13 @@ _cache = _BoundedCache(TILE_KERNEL_CACHE_SIZE)
 #: :func:`inductor_once`'s kernels by name and layout.
 _compiled_adds = _BoundedCache(64)
 _cache_lock = threading.Lock()
-_tracer: concurrent.futures.ThreadPoolExecutor | None = None
+#: the tracing thread (started by the first trace: an executor starts its threads on submit)
+_tracer = concurrent.futures.ThreadPoolExecutor(1, "tile_pass_tracer")
 
 
 def traced_once(key, trace):
     """``trace(key)``, run once per process on the tracing thread (see the module docstring)
     and kept in the bounded cache of tile functions."""
-    global _tracer
     with _cache_lock:
         kernel = _cache.get(key)
     if kernel is not None:
@@ -187,8 +187,6 @@ def traced_once(key, trace):
     with _tracing_lock(), _cache_lock:
         kernel = _cache.get(key)
         if kernel is None:
-            if _tracer is None:
-                _tracer = concurrent.futures.ThreadPoolExecutor(1, "tile_pass_tracer")
             kernel = _cache.put(key, _tracer.submit(_on_tracing_thread, trace, key).result())
     return kernel
 
@@ -201,11 +199,7 @@ def _on_tracing_thread(trace, key):
 def on_tracing_thread(trace):
     """``trace()`` on the tracing thread, under the compile lock, uncached: for traces that are
     not tile functions (tile_pass._token_weights)."""
-    global _tracer
     with _tracing_lock():
-        with _cache_lock:
-            if _tracer is None:
-                _tracer = concurrent.futures.ThreadPoolExecutor(1, "tile_pass_tracer")
         return _tracer.submit(_on_tracing_thread, lambda _: trace(), None).result()
 
 

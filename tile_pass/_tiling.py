@@ -103,10 +103,8 @@ def default_tile_bytes(device: torch.device | str | None = None) -> int:
 
     The backend calls this when it rewrites a graph, for the device its example inputs live
     on: the free memory at compile time sizes the tiles of that graph."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type == "cuda":
-        return _gpu_tile_bytes(device.index)
-    return DEFAULT_TILE_BYTES
+    device = torch.device(device if device is not None else "cpu")
+    return _gpu_tile_bytes(device.index) if device.type == "cuda" else DEFAULT_TILE_BYTES
 
 
 def choose_tile_tokens(
@@ -130,8 +128,7 @@ def choose_tile_tokens(
     if budget <= 0:
         raise ValueError(f"tile_bytes must be positive, got {tile_bytes}")
     per_token = tile_bytes_per_token(vocab_size, logits_dtype, upcast, fused)
-    tokens = budget // max(per_token, 1)
-    tokens = (tokens // _MIN_TILE) * _MIN_TILE
+    tokens = budget // max(per_token, 1) // _MIN_TILE * _MIN_TILE  # rounded down to a multiple
     return max(_MIN_TILE, min(_MAX_TILE, tokens))
 
 
@@ -156,9 +153,7 @@ def effective_tile(num_tokens: int, size: TileSize) -> int:
         while power * 2 <= per_tile:
             power *= 2
         tile = min(tile, power)
-    if num_tokens >= tile:
-        return tile
-    return min(padded_rows(num_tokens), tile)
+    return tile if num_tokens >= tile else min(padded_rows(num_tokens), tile)
 
 
 #: from this many rows a short tile pads to a quarter-octave size, below it to a power of two

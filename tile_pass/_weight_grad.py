@@ -218,12 +218,11 @@ def as_words(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
         and hi.is_contiguous()
         and lo.is_contiguous()
         and x.shape == hi.shape
+        and (x.dtype != torch.bfloat16 or x.is_contiguous())
     )
     if not pairable:
         return None
     if x.dtype == torch.bfloat16:
-        if not x.is_contiguous():
-            return None
         x = x.view(torch.int32)
     return hi.view(torch.int32), lo.view(torch.int32), x
 

@@ -146,9 +146,7 @@ class Backend:
         if first_order:
             compiled = guard_outputs(compiled, first_order)
         if original is not None and report.rewrites:
-            num_outputs = result.num_outputs or len(
-                next(n for n in gm.graph.nodes if n.op == "output").args[0]
-            )
+            num_outputs = result.num_outputs or len(gm.graph.output_node().args[0])
             compiled = validating_call(
                 original,
                 compiled,

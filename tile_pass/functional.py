@@ -15,21 +15,9 @@ import operator
 import torch
 
 from tile_pass import _textbook
+from tile_pass._fx import autocast_dtype
 
 _REDUCTIONS = ("mean", "sum", "none")
-
-
-def _flatten_tokens(hidden: torch.Tensor) -> torch.Tensor:
-    """``[..., H] -> [N, H]``; unlike ``reshape(-1, H)`` also for ``H == 0``."""
-    return hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
-
-
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type autocast does not know (e.g. meta)
-        return None
-    return torch.get_autocast_dtype(device_type) if enabled else None
 
 
 # ------------------------------------------------------------------------- public API
@@ -109,12 +97,10 @@ def linear_cross_entropy(
             f"weight tensor should be defined either for all {vocab_size} classes or no classes"
         )
     soft_targets = target.is_floating_point() and tuple(target.shape) == (*hidden.shape[:-1], vocab_size)
-    if soft_targets:
-        if ignore_index is not None:
-            raise RuntimeError("ignore_index cannot be specified when target contains probabilities")
-        ignore_index = -100
-    else:
-        ignore_index = -100 if ignore_index is None else ignore_index
+    if soft_targets and ignore_index is not None:
+        raise RuntimeError("ignore_index cannot be specified when target contains probabilities")
+    ignore_index = -100 if ignore_index is None else ignore_index
+    if not soft_targets:
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"ignore_index must be int, not {type(ignore_index).__name__}")
         if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
@@ -129,13 +115,14 @@ def linear_cross_entropy(
                 f"token) or be 1-D, got {tuple(target.shape)}"
             )
     target_shape = target.shape[:-1] if soft_targets else target.shape
-    hidden = _flatten_tokens(hidden)
+    # [..., H] -> [N, H]; unlike reshape(-1, H) also for H == 0
+    hidden = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
     target = target.reshape(-1, vocab_size) if soft_targets else target.reshape(-1)
     if target.shape[0] != hidden.shape[0]:
         raise ValueError(
             f"Expected input batch_size ({hidden.shape[0]}) to match target batch_size ({target.shape[0]})"
         )
-    dtype = _autocast_dtype(hidden.device.type)
+    dtype = autocast_dtype(hidden.device.type)
     if dtype is not None:  # autocast's rule for F.linear
         hidden, linear_weight = hidden.to(dtype), linear_weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)

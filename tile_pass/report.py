@@ -129,16 +129,14 @@ class Report:
             f"tile_pass: {len(self.graphs)} graph(s), {len(self.rewrites)} region(s) rewritten, "
             f"{len(self.skipped)} skipped"
         ]
-        lines += [str(r) for r in self.rewrites]
-        lines += [str(s) for s in self.skipped]
+        lines += [str(decision) for decision in (*self.rewrites, *self.skipped)]
         if not self.rewrites and not self.skipped:
             lines.append("no linear + cross_entropy candidate was found in the compiled graphs")
             if not self.hints and "trl" in sys.modules:
                 lines.append(f"    hint: {_TRL_HINT}")
         for reason in self.graph_breaks:
             lines.append(f"graph break: {reason}")
-            hint = _graph_break_hint(reason)
-            if hint:
+            if hint := _graph_break_hint(reason):
                 lines.append(f"    fix: {hint}")
         lines += [f"hint: {hint}" for hint in self.hints]
         return "\n".join(lines)

@@ -46,10 +46,6 @@ class GraphRewrite:
     original_graph: torch.fx.Graph | None = None
 
 
-def _is_loss(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target in (F.cross_entropy, F.nll_loss)
-
-
 def rewrite_graph(gm: torch.fx.GraphModule, options: TileOptions, *, graph_index: int = 0) -> GraphRewrite:
     """Rewrite every exactly-matched region of ``gm`` in place; report every candidate.
 
@@ -128,7 +124,9 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
 def _rewrite_regions(gm, graph_index: int, options: TileOptions, region: list) -> GraphRewrite:
     result = GraphRewrite(GraphReport(index=graph_index))
     report = result.report
-    losses = [n for n in gm.graph.nodes if _is_loss(n)]
+    losses = [
+        n for n in gm.graph.nodes if n.op == "call_function" and n.target in (F.cross_entropy, F.nll_loss)
+    ]
     _rewrite_row_regions(gm, result, losses, options, region)
     # a loss no region took, nor reported: why its logits were not tiled
     report.skipped[:0] = [

@@ -32,10 +32,6 @@ class TilePass(NamedTuple):
     applies: Callable[[TileKernelKey], bool]
 
 
-def _on_cpu(key: TileKernelKey) -> bool:
-    return key.device.type == "cpu"
-
-
 #: The order is semantics. The in-place ``addmm_`` comes first: the split below counts it as a
 #: backward GEMM (so the weight gradient stays out of the middle), and the middle's row blocks
 #: are traced and fused alike. The CPU buffer passes retarget GEMMs of the flat graph, before the
@@ -45,8 +41,8 @@ def _on_cpu(key: TileKernelKey) -> bool:
 #: the buffer passes leave its float32 GEMMs alone.
 TILE_PASSES: tuple[TilePass, ...] = (
     TilePass(accumulate_in_place.run, lambda key: True),
-    TilePass(shared_logits_buffer.run, _on_cpu),
-    TilePass(huge_pages.run, _on_cpu),
+    TilePass(shared_logits_buffer.run, lambda key: key.device.type == "cpu"),
+    TilePass(huge_pages.run, lambda key: key.device.type == "cpu"),
     TilePass(compiled_middle.run, lambda key: key.compiled),
     TilePass(upcast_accumulation.run, lambda key: key.compiled),
     TilePass(split_accumulation.run, lambda key: key.weight_grad is WeightGradSchedule.SPLIT),

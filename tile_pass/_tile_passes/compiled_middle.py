@@ -89,9 +89,9 @@ def _split_at_gemms(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
             and n.target not in _graph.GEMMS
             and users
             and len(users) == len(n.users)
+            and all(partition.get(u) == 1 for u in users)
         ):
-            if all(partition.get(u) == 1 for u in users):
-                partition[n] = 1
+            partition[n] = 1
     return split_module(gm, None, lambda n: partition[n])
 
 
@@ -118,9 +118,7 @@ class Compiled(torch.nn.Module):
         arg, position = self.overwritten
         if position is None:  # the overwritten input was the only output
             return args[arg]
-        outputs = list(outputs)
-        outputs.insert(position, args[arg])
-        return tuple(outputs)
+        return (*outputs[:position], args[arg], *outputs[position:])
 
 
 def _aliases_of(node: torch.fx.Node) -> set[torch.fx.Node]:
@@ -163,16 +161,8 @@ def _store_grad_over_logits(
     if not isinstance(tile, torch.Tensor):
         return None
 
-    def same_buffer_shape(node):
-        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-        return (
-            isinstance(val, torch.Tensor)
-            and val.shape == tile.shape
-            and val.dtype == tile.dtype
-            and val.stride() == tile.stride()
-        )
-
-    matches = [i for i, node in enumerate(results) if same_buffer_shape(node)]
+    vals = [node.meta.get("val") if isinstance(node, torch.fx.Node) else None for node in results]
+    matches = [i for i, val in enumerate(vals) if isinstance(val, torch.Tensor) and _same_layout(val, tile)]
     if len(matches) != 1:
         return None
     position = matches[0]
@@ -187,6 +177,11 @@ def _store_grad_over_logits(
     graph.lint()
     rewritten.recompile()
     return rewritten, (index, None if single else position)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same shape, dtype and strides: one can be stored where the other is."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
 
 
 def _example_inputs(graph_module: torch.fx.GraphModule, device: torch.device) -> list[torch.Tensor]:
@@ -233,10 +228,9 @@ def _compile_middle(split: torch.fx.GraphModule, key, logits_name: str, block=No
         compiled = compile_fx(middle, _example_inputs(middle, key.device))
     if label_column:
         compiled = _WithLabelColumn(compiled, overwritten[0])
-    if blocked is None:
-        split.submod_1 = Compiled(compiled, overwritten)
-    else:
-        split.submod_1 = _RowBlocked(compiled, overwritten, *blocked)
+    split.submod_1 = (
+        Compiled(compiled, overwritten) if blocked is None else _RowBlocked(compiled, overwritten, *blocked)
+    )
 
 
 class _WithLabelColumn:
@@ -289,14 +283,10 @@ def _token_rows(middle: torch.fx.GraphModule, block: torch.fx.GraphModule):
             and full.dtype == part.dtype
         )
 
-    token_inputs = []
-    for full, part in zip(*inputs, strict=True):
-        if per_token(full, part):
-            token_inputs.append(True)
-        elif full.shape == part.shape and full.dtype == part.dtype and full.stride() == part.stride():
-            token_inputs.append(False)
-        else:
-            return None
+    pairs = list(zip(*inputs, strict=True))
+    if not all(per_token(full, part) or _same_layout(full, part) for full, part in pairs):
+        return None
+    token_inputs = [per_token(full, part) for full, part in pairs]
     placeholders = [n for n in block.graph.nodes if n.op == "placeholder"]
     shared = {p for p, token in zip(placeholders, token_inputs, strict=True) if not token}
     if _written_inputs(block) & shared:  # e.g. a bias-gradient sum added into: blocks would reorder it
@@ -381,6 +371,5 @@ def _split_block(key, logits: torch.fx.Node, retrace):
         return None
     gm = retrace(rows)
     accumulate_in_place.run(gm)
-    block_logits = _graph.logits_gemm(gm)
-    split = _split_at_gemms(gm) if block_logits is not None else None
-    return None if split is None else (split, block_logits.name)
+    split = _split_at_gemms(gm)  # None where the graph has no GEMM
+    return None if split is None else (split, _graph.logits_gemm(gm).name)

@@ -42,13 +42,9 @@ class _BlockedUpcastAccumulate(torch.nn.Module):
 
 
 def _add_(acc: torch.Tensor, x: torch.Tensor) -> None:
-    acc.add_(x)
-
-
-def _compiled_add(acc: torch.Tensor, x: torch.Tensor):
-    """``acc.add_(x)`` compiled by Inductor, once per layout: the weight-gradient sum has the
+    """Compiled by Inductor once per layout (``inductor_once``): the weight-gradient sum has the
     same shape for every tile size, so the kernels of other tile sizes reuse it."""
-    return inductor_once("add", _add_, (acc, x))
+    acc.add_(x)
 
 
 def run(root: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:
@@ -80,21 +76,17 @@ def run(root: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:
             and rows < vals[0].shape[0]
         )
         if blocked:
-            heights = block_heights(vals[0].shape[0], rows)
-            adds = {
-                height: _compiled_add(
-                    torch.empty((height, vals[0].shape[1]), dtype=vals[0].dtype, device=key.device),
-                    torch.empty((height, vals[1].shape[1]), dtype=vals[1].dtype, device=key.device),
-                )
-                for height in heights
-            }
+            adds = {}  # block height -> compiled ``acc_block.add_(block)``
+            for height in block_heights(vals[0].shape[0], rows):
+                examples = [torch.empty((height, v.shape[1]), dtype=v.dtype, device=key.device) for v in vals]
+                adds[height] = inductor_once("add", _add_, examples)
             gm.add_submodule(name, _BlockedUpcastAccumulate(rows, adds))
             args = (acc, *product.args)
         else:
             example = [
                 torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=key.device) for v in vals
             ]
-            module = Compiled(_compiled_add(*example))
+            module = Compiled(inductor_once("add", _add_, example))
             module._is_impure = True  # it mutates acc; its result is unused
             gm.add_submodule(name, module)
             args = node.args
