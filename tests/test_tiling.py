@@ -44,6 +44,23 @@ def test_automatic_tiles_shrink_with_the_batch_and_cap_at_the_budget():
     assert effective_tile(1024, TileSize(300)) == 300  # an explicit tile is used as given
 
 
+def test_automatic_cpu_tiles_stay_within_the_last_level_cache(monkeypatch):
+    monkeypatch.setattr(_tiling, "last_level_cache_bytes", lambda: 32 << 20)
+    cap, row = TileSize(1024, automatic=True), 32000 * 4  # a float32 V=32000 logits row
+    assert effective_tile(4096, cap) == 512  # off the CPU (no row bytes): 8 tiles
+    assert effective_tile(4096, cap, row) == 256  # 256 rows are 31 MiB: in the 32 MiB cache
+    assert effective_tile(1 << 20, cap, row) == 256  # whatever the batch
+    assert effective_tile(4096, cap, 128256 * 4) == 256  # never below MIN_AUTO_TILE
+    assert effective_tile(4096, TileSize(1024), row) == 1024  # an explicit tile is used as given
+    monkeypatch.setattr(_tiling, "last_level_cache_bytes", lambda: None)  # unknown: no cap
+    assert effective_tile(4096, cap, row) == 512
+
+
+def test_last_level_cache_is_read_from_sysfs_or_unknown():
+    size = _tiling.last_level_cache_bytes()
+    assert size is None or size >= 1 << 15
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_default_budget_per_device(device):
     budget = _tiling.default_tile_bytes(device)

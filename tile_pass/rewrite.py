@@ -263,14 +263,15 @@ def _planned_tile(
     """The tile and weight-gradient schedule the op will plan for a batch whose tokens all
     count (``tile_pass.tiled_region._plan`` at run time, here on the sizes' hints, unguarded)."""
     tokens_hint = optimization_hint(num_tokens, fallback=8192)
-    tile_now = effective_tile(tokens_hint, tile)
-    if not val(region.weight).requires_grad:
+    weight = val(region.weight)
+    vocab, hidden = (optimization_hint(size, fallback=4096) for size in weight.shape)
+    per_token = tile_bytes_per_token(vocab, dtype, dtype != torch.float32, compiled)
+    tile_now = effective_tile(tokens_hint, tile, per_token if weight.device.type == "cpu" else 0)
+    if not weight.requires_grad:
         return tile_now, None
-    vocab, hidden = (optimization_hint(size, fallback=4096) for size in val(region.weight).shape)
     return _weight_grad.plan(
-        tokens_hint, tile_now, tile, (vocab, hidden), dtype,
-        torch.promote_types(torch.float32, dtype),
-        tile_bytes_per_token(vocab, dtype, dtype != torch.float32, compiled), tokens_hint,
+        tokens_hint, tile_now, tile, (vocab, hidden), dtype, torch.promote_types(torch.float32, dtype),
+        per_token, tokens_hint,
     )  # fmt: skip
 
 

@@ -176,11 +176,11 @@ def _plan(weight, tile_size: TileSize, rows: int, batch: int, acc, compiled: boo
     """The tile and the weight-gradient schedule (tile_pass._weight_grad.plan) for ``rows`` of a
     batch of ``batch`` tokens: the one-tile ``DIRECT`` schedule, the split sum, tile growth and
     shrink against the byte budget, as for the cross entropy."""
-    tile = effective_tile(rows, tile_size)
-    if not need_weight:
-        return tile, WeightGradSchedule.FLOAT32
     vocab, hidden = weight.shape
     per_token = tile_bytes_per_token(vocab, weight.dtype, weight.dtype != torch.float32, compiled)
+    tile = effective_tile(rows, tile_size, per_token if weight.device.type == "cpu" else 0)
+    if not need_weight:
+        return tile, WeightGradSchedule.FLOAT32
     return _weight_grad.plan(rows, tile, tile_size, (vocab, hidden), weight.dtype, acc, per_token, batch)
 
 
