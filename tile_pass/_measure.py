@@ -50,14 +50,6 @@ def z_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> 
     return ce + 1e-4 * (logits.logsumexp(-1).pow(2) * (labels != -100)).mean()
 
 
-def z_loss_every_token(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy plus a z-loss over every token, ignored labels included: no token can be
-    left out, so with ignored labels it runs more GEMMs than the cross entropy alone."""
-    logits = F.linear(hidden, weight).float()
-    ce = F.cross_entropy(logits, labels)
-    return ce + 1e-4 * logits.logsumexp(-1).pow(2).mean()
-
-
 #: tokens per sequence in the GRPO-style step
 GRPO_SEQUENCE = 256
 
@@ -128,7 +120,6 @@ LOSS_FORMS = {
     "ce": lm_head_loss,
     "ce_nocast": lm_head_loss_no_upcast,
     "ce_zloss": z_loss,
-    "ce_zloss_all": z_loss_every_token,
     "grpo": grpo_log_probs,
     "grpo_trl": grpo_trl,
     "entropy": entropy_bonus,

@@ -172,12 +172,10 @@ def effective_tile(num_tokens: int, size: TileSize, row_bytes: int = 0) -> int:
 @functools.cache
 def last_level_cache_bytes() -> int | None:
     """The CPU's largest cache, as Linux lists it under sysfs; ``None`` where it cannot be read."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     sizes = []
     for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        try:
-            text = path.read_text().strip().upper()
-            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text))
+        try:  # Linux writes KiB: "32768K"
+            sizes.append(int(path.read_text().strip().removesuffix("K")) * 1024)
         except (OSError, ValueError):
             continue
     return max(sizes, default=None)

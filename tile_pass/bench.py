@@ -70,6 +70,8 @@ _LOGITS_COPIES = {"eager": 4.0}
 #: V=128256: 1.13 float32 logits in float32, 1.0 bf16 logits in bfloat16; 1.5 leaves a
 #: margin), the GEMM floor holds the logits and a logits-sized gradient.
 _MODEL_DTYPE_LOGITS_COPIES = {"inductor": 1.5, "autochunker": 1.5, "gemm_floor": 2.0}
+#: ...times this for forms that read the logits more than once (Inductor's GRPO step holds 2, its entropy 4)
+_FORM_COPIES = {"grpo": 2, "grpo_trl": 2, "entropy": 3}
 
 
 @dataclass
@@ -437,7 +439,8 @@ def estimated_peak_bytes(cfg: BenchConfig) -> int:
     """A coarse upper estimate of a child's resident memory (inputs, grads, logits buffers)."""
     itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     if cfg.impl in _MODEL_DTYPE_LOGITS_COPIES:
-        logits = _MODEL_DTYPE_LOGITS_COPIES[cfg.impl] * cfg.tokens * cfg.vocab * itemsize
+        copies = _MODEL_DTYPE_LOGITS_COPIES[cfg.impl] * _FORM_COPIES.get(cfg.form, 1)
+        logits = copies * cfg.tokens * cfg.vocab * itemsize
     else:
         logits = _LOGITS_COPIES.get(cfg.impl, 0.5) * cfg.tokens * cfg.vocab * max(itemsize, 4)
     params = (cfg.tokens + cfg.vocab) * cfg.hidden * (2 * itemsize + (16 if cfg.check else 0))
@@ -583,7 +586,9 @@ def run_benchmark(
 def _time_interleaved(configs, rows, rounds: int, timeout: float, warm_cache: bool) -> None:
     """Add ``interleaved_s`` (and the steps behind it) to the rows of one shape that measured,
     from one fresh process timing them all interleaved (:func:`run_interleaved`)."""
-    timed = [(c, row) for c, row in zip(configs, rows, strict=True) if c.impl != FLOOR and "error" not in row]
+    # (not the autochunker: its switch would apply to every Inductor row of the one process)
+    timed = [(c, row) for c, row in zip(configs, rows, strict=True) if c.impl not in (FLOOR, "autochunker")]
+    timed = [(c, row) for c, row in timed if "error" not in row]
     if not timed:
         return
     configs_json = json.dumps([asdict(c) for c, _ in timed])
@@ -592,12 +597,12 @@ def _time_interleaved(configs, rows, rounds: int, timeout: float, warm_cache: bo
     try:
         result = run_fresh(argv, timeout * len(timed), env)
     except (subprocess.TimeoutExpired, RuntimeError) as exc:
-        for _, row in timed:
-            row["interleaved_error"] = str(exc).splitlines()[-1][:200] if str(exc) else "failed"
-        return
+        result = [str(exc).splitlines()[-1][:200] if str(exc) else "failed"] * len(timed)
     for (_, row), steps in zip(timed, result, strict=True):
-        row["interleaved_s"] = statistics.median(steps)
-        row["interleaved_steps_s"] = sorted(round(t, 4) for t in steps)
+        if isinstance(steps, str):
+            row["interleaved_error"] = steps
+        else:
+            row["interleaved_s"], row["interleaved_steps_s"] = statistics.median(steps), sorted(steps)
 
 
 def dynamic_lengths(top: int, hidden: int, vocab: int) -> list[int]:
