@@ -295,8 +295,8 @@ def test_reduction_none_has_the_target_shape(device):
 
 
 def test_explain_reports_the_tile_the_backend_runs():
-    """N=8192, V=32000 float32: the default backend (compiled tiles) runs 1024-token tiles;
-    explain used to plan eager tiles and report 336 x 25."""
+    """N=8192, V=32000 float32: the default backend (compiled tiles) runs 1024-token tiles (fewer
+    where the CPU's last-level cache holds fewer); explain used to plan eager tiles and report 336 x 25."""
     n, h, v = 8192, 4, 32000
     hidden = torch.randn(n, h)
     weight = torch.randn(v, h)
@@ -317,8 +317,12 @@ def test_explain_reports_the_tile_the_backend_runs():
     runner = tile_pass.backend("eager", compile_tiles=True)
     torch._dynamo.reset()
     torch.compile(head, backend=runner)(hidden, weight, target)
-    # 128 MiB of [tile, V] buffers: one per token before torch 2.13's in-place gradient, else two
-    expected = 1024 if _tiling.STORE_GRAD_OVER_LOGITS else 512
+    # 128 MiB of [tile, V] buffers: one per token before torch 2.13's in-place gradient, else two;
+    # on a CPU whose last-level cache is smaller than that, the tiles that fit it (not below 256)
+    budget = 1024 if _tiling.STORE_GRAD_OVER_LOGITS else 512
+    row_bytes = _tiling.tile_bytes_per_token(v, torch.float32, False, fused=True)
+    expected = _tiling.effective_tile(n, _tiling.TileSize(budget, automatic=True), row_bytes)
+    assert expected == budget or expected < budget and _tiling.last_level_cache_bytes() < budget * row_bytes
     tokens, tiles, tile, _schedule = _tiling.last_tiles  # what the tile loop ran
     assert (tokens, tile) == (n, rewrite.tile_tokens) == (n, expected) and tiles == rewrite.num_tiles
     assert rewrite.num_tiles == n // expected
