@@ -134,15 +134,20 @@ def _stored_middle(logits, target, grad):
     return (log_probs.sum(1),)
 
 
+def _label_column_inputs(seed: int, dtype: torch.dtype):
+    """Five rows of 11 logits, one ignored label and one at each end of the vocabulary, and the
+    rows' incoming gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(5, 11, generator=gen).to(dtype)
+    return logits, torch.tensor([1, -100, 10, 0, 4]), torch.rand(5, generator=gen)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_label_column_is_returned_and_scattered_back(dtype):
     """The split middle stores the gradient off the label and returns ``(label, value)``;
     scattering the value back gives the unsplit middle's stored gradient, ignored rows
     included (their column 0 is rewritten with its own value)."""
-    gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(5, 11, generator=gen).to(dtype)
-    target = torch.tensor([1, -100, 10, 0, 4])
-    grad = torch.rand(5, generator=gen)
+    logits, target, grad = _label_column_inputs(3, dtype)
     unsplit = make_fx(_stored_middle)(logits.clone(), target, grad)
     assert _simplify.simplify(unsplit) == 1
     gm = copy.deepcopy(unsplit)
@@ -335,10 +340,7 @@ def _stored_middle_with_lse(logits, target, grad):
 def test_label_column_is_split_off_after_the_row_statistics_are_shared(dtype):
     """The log-softmax written out for a logsumexp still feeds the label row sum's rule and the
     label column's: its gradient at the label is computed from the logits gathered there."""
-    gen = torch.Generator().manual_seed(4)
-    logits = torch.randn(5, 11, generator=gen).to(dtype)
-    target = torch.tensor([1, -100, 10, 0, 4])
-    grad = torch.rand(5, generator=gen)
+    logits, target, grad = _label_column_inputs(4, dtype)
     unsplit = make_fx(_stored_middle_with_lse)(logits.clone(), target, grad)
     assert _simplify.simplify(unsplit) == 2
     assert not any(n.target in _simplify._ROW_FUNCTIONS for n in unsplit.graph.nodes)
