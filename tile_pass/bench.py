@@ -587,18 +587,18 @@ def _time_interleaved(configs, rows, rounds: int, timeout: float, warm_cache: bo
     """Add ``interleaved_s`` (and the steps behind it) to the rows of one shape that measured,
     from one fresh process timing them all interleaved (:func:`run_interleaved`)."""
     # (not the autochunker: its switch would apply to every Inductor row of the one process)
-    timed = [(c, row) for c, row in zip(configs, rows, strict=True) if c.impl not in (FLOOR, "autochunker")]
-    timed = [(c, row) for c, row in timed if "error" not in row]
-    if not timed:
+    pairs = zip(configs, rows, strict=True)
+    measured = [(c, row) for c, row in pairs if c.impl not in (FLOOR, "autochunker") and "error" not in row]
+    if not measured:
         return
-    configs_json = json.dumps([asdict(c) for c, _ in timed])
+    configs_json = json.dumps([asdict(c) for c, _ in measured])
     argv = ["-m", "tile_pass.bench", "--child-interleaved", str(rounds), configs_json]
     env = {} if warm_cache else {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
     try:
-        result = run_fresh(argv, timeout * len(timed), env)
+        result = run_fresh(argv, timeout * len(measured), env)
     except (subprocess.TimeoutExpired, RuntimeError) as exc:
-        result = [str(exc).splitlines()[-1][:200] if str(exc) else "failed"] * len(timed)
-    for (_, row), steps in zip(timed, result, strict=True):
+        result = [str(exc).splitlines()[-1][:200] if str(exc) else "failed"] * len(measured)
+    for (_, row), steps in zip(measured, result, strict=True):
         if isinstance(steps, str):
             row["interleaved_error"] = steps
         else:
