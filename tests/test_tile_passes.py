@@ -238,13 +238,17 @@ def test_half_precision_weight_gradient_is_formed_in_row_blocks(monkeypatch):
 @needs_onednn
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager-tile"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_float32_gemms_run_through_onednn_and_match_aten(compiled, bias):
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+def test_float32_gemms_run_through_onednn_and_match_aten(compiled, bias, avx512, monkeypatch, fresh_kernels):
+    monkeypatch.setattr(onednn_gemms, "backward_products_on_onednn", lambda: avx512)
     key = key_for(torch.float32, bias=bias, compiled=compiled, onednn=True)
     aten_key = replace(key, onednn=False)
-    # the logits GEMM (with its bias) and the hidden-gradient GEMM; the in-place weight
-    # gradient addmm_ stays aten's
-    assert len(graph_calls(kernel(key), _onednn_mm)) == 2
-    assert not graph_calls(kernel(key), torch.ops.aten.mm.default)
+    # the logits GEMM (with its bias) always; the hidden-gradient GEMM on an AVX-512 CPU only;
+    # the in-place weight-gradient addmm_ stays aten's
+    routed = graph_calls(kernel(key), _onednn_mm)
+    assert len(routed) == (2 if avx512 else 1)
+    assert routed[0].meta["val"].shape == (key.tile, key.vocab_size)  # the logits
+    assert len(graph_calls(kernel(key), torch.ops.aten.mm.default)) == (0 if avx512 else 1)
     assert not graph_calls(kernel(key), torch.ops.aten.addmm.default)
     assert len(graph_calls(kernel(key), torch.ops.aten.addmm_.default)) == 1
     assert not graph_calls(kernel(aten_key), _onednn_mm)
