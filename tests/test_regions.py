@@ -293,18 +293,20 @@ def test_autocast_z_loss_with_returned_logits():
 
 
 @pytest.mark.parametrize(
-    "fn, tile, middle_rows",
-    [(ce_z_loss, TILE, None), (grpo_log_softmax_gather, TILE, None), (entropy_bonus, 16, 8),
-     (per_token_log_probs, 16, 8)],
-    ids=["ce_z_loss", "grpo", "entropy_row_blocks", "per_token_row_blocks"],
+    "fn, tile, block_bytes_rows, middle_rows",
+    [(ce_z_loss, TILE, None, None), (grpo_log_softmax_gather, TILE, None, None), (entropy_bonus, 16, 8, 8),
+     (per_token_log_probs, 16, 8, 8), (kl_to_teacher, 32, 16, 8)],
+    ids=["ce_z_loss", "grpo", "entropy_row_blocks", "per_token_row_blocks", "kl_row_blocks"],
 )  # fmt: skip
-def test_inductor_with_compiled_tiles(fn, tile, middle_rows, monkeypatch):
-    """Compiled tiles; with ``middle_rows`` the CPU's compiled middle runs in blocks of rows."""
+def test_inductor_with_compiled_tiles(fn, tile, block_bytes_rows, middle_rows, monkeypatch):
+    """Compiled tiles; with ``middle_rows`` the CPU's compiled middle runs in blocks of rows,
+    as many as fit ``block_bytes_rows`` rows of logits with every ``[tile, V]`` input the
+    middle reads (the KL's teacher logits halve them)."""
     from tile_pass._tile_passes import compiled_middle
 
     blocked_calls = []
     if middle_rows:
-        monkeypatch.setattr(compiled_middle, "MIDDLE_BLOCK_BYTES", middle_rows * V * 4)
+        monkeypatch.setattr(compiled_middle, "MIDDLE_BLOCK_BYTES", block_bytes_rows * V * 4)
         forward = compiled_middle._RowBlocked.forward
 
         def counted(self, *args):

@@ -35,7 +35,7 @@ def run(gm: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:
     split = _split_at_gemms(gm)
     if split is None:
         return gm
-    _compile_middle(split, key, logits.name, _split_block(key, logits, gm.meta.get(RETRACE)))
+    _compile_middle(split, key, logits.name, _split_block(key, logits, gm))
     return split
 
 
@@ -349,24 +349,32 @@ MIDDLE_BLOCK_BYTES = 8 * 1024 * 1024
 _MIN_MIDDLE_BLOCK = 8
 
 
-def _middle_block_rows(key, logits: torch.fx.Node) -> int | None:
+def _middle_block_rows(key, logits: torch.fx.Node, gm: torch.fx.GraphModule) -> int | None:
     """The rows of a middle block for this tile: a power of two dividing the tile, of about
-    :data:`MIDDLE_BLOCK_BYTES`; ``None`` off the CPU or where the tile is about that small."""
+    :data:`MIDDLE_BLOCK_BYTES` over the logits and every other ``[tile, V]`` input the middle
+    reads (a distillation's teacher log-probabilities); ``None`` off the CPU or where the tile
+    is about that small."""
     tile = logits.meta.get("val")
     if key.device.type != "cpu" or not isinstance(tile, torch.Tensor) or tile.dim() != 2:
         return None
+    row_bytes = tile.shape[1] * tile.element_size()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.shape == tile.shape:
+            row_bytes += val.shape[1] * val.element_size()
     rows = _MIN_MIDDLE_BLOCK
-    while (rows * 2) * tile.shape[1] * tile.element_size() <= MIDDLE_BLOCK_BYTES:
+    while (rows * 2) * row_bytes <= MIDDLE_BLOCK_BYTES:
         rows *= 2
     while tile.shape[0] % rows:
         rows //= 2
     return rows if _MIN_MIDDLE_BLOCK <= rows < tile.shape[0] else None
 
 
-def _split_block(key, logits: torch.fx.Node, retrace):
+def _split_block(key, logits: torch.fx.Node, gm: torch.fx.GraphModule):
     """The tile function traced again at a middle block's rows and split like the tile's, as
     :func:`_compile_middle` takes it; ``None`` where the middle is not blocked."""
-    rows = _middle_block_rows(key, logits) if retrace is not None else None
+    retrace = gm.meta.get(RETRACE)
+    rows = _middle_block_rows(key, logits, gm) if retrace is not None else None
     if rows is None:
         return None
     gm = retrace(rows)
