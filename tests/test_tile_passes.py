@@ -243,12 +243,13 @@ def test_float32_gemms_run_through_onednn_and_match_aten(compiled, bias, avx512,
     monkeypatch.setattr(onednn_gemms, "backward_products_on_onednn", lambda: avx512)
     key = key_for(torch.float32, bias=bias, compiled=compiled, onednn=True)
     aten_key = replace(key, onednn=False)
-    # the logits GEMM (with its bias) always; the hidden-gradient GEMM on an AVX-512 CPU only;
-    # the in-place weight-gradient addmm_ stays aten's
+    # the logits GEMM (with its bias) always; the hidden-gradient GEMM on an AVX-512 CPU only,
+    # else aten's into a buffer of its own; the in-place weight-gradient addmm_ stays aten's
     routed = graph_calls(kernel(key), _onednn_mm)
     assert len(routed) == (2 if avx512 else 1)
     assert routed[0].meta["val"].shape == (key.tile, key.vocab_size)  # the logits
-    assert len(graph_calls(kernel(key), torch.ops.aten.mm.default)) == (0 if avx512 else 1)
+    assert len(graph_calls(kernel(key), _tile_buffers.fresh_mm)) == (0 if avx512 else 1)
+    assert not graph_calls(kernel(key), torch.ops.aten.mm.default)
     assert not graph_calls(kernel(key), torch.ops.aten.addmm.default)
     assert len(graph_calls(kernel(key), torch.ops.aten.addmm_.default)) == 1
     assert not graph_calls(kernel(aten_key), _onednn_mm)
@@ -293,6 +294,19 @@ def test_only_a_returned_weight_gradient_gets_a_buffer_of_its_own():
         torch.testing.assert_close(grad_weight, want, rtol=0, atol=0)
     finally:
         _tile_kernel.clear_caches()
+
+
+@needs_onednn
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+def test_float32_returned_gradients_get_a_buffer_unless_onednn_makes_them(avx512, monkeypatch, fresh_kernels):
+    """oneDNN writes no given buffer: the float32 GEMMs it makes keep their own outputs (the
+    logits always, the backward products on an AVX-512 CPU); the returned ones aten makes get
+    a buffer of their own."""
+    monkeypatch.setattr(onednn_gemms, "backward_products_on_onednn", lambda: avx512)
+    direct = replace(key_for(torch.float32, onednn=True), weight_grad=WeightGradSchedule.DIRECT)
+    gm = kernel(direct)
+    assert len(graph_calls(gm, _tile_buffers.fresh_mm)) == (0 if avx512 else 2)  # dW and dh
+    assert len(graph_calls(gm, _onednn_mm)) == (3 if avx512 else 1)  # the logits first
 
 
 # ---------------------------------------------------------------- split_accumulation

@@ -2,8 +2,9 @@
 buffer from :func:`tile_pass._tile_buffers.empty`, which puts it on huge pages where it is
 large enough.
 
-A float32 GEMM routed to oneDNN keeps its own, as for the logits; a GEMM whose output is summed
-into, not returned, is left to the weight-gradient schedules.
+A float32 GEMM that :mod:`tile_pass._tile_passes.onednn_gemms` routes to oneDNN keeps its own
+(the logits; a backward product on an AVX-512 CPU); a GEMM whose output is summed into, not
+returned, is left to the weight-gradient schedules.
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ import torch.fx
 
 from tile_pass import _tile_buffers
 from tile_pass._tile_kernel import TileKernelKey
-from tile_pass._tile_passes._graph import aten, results, view_source
+from tile_pass._tile_passes import onednn_gemms
+from tile_pass._tile_passes._graph import aten, logits_gemm, results, view_source
 
 
 def run(gm: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:
-    moved = 0
+    moved, logits = 0, logits_gemm(gm)
     for node in {view_source(result) for result in results(gm)[0]}:
         if not isinstance(node, torch.fx.Node) or node.target is not aten.mm.default or node.kwargs:
             continue
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or (key.onednn and val.dtype == torch.float32):
+        to_onednn = key.onednn and (node is logits or onednn_gemms.backward_products_on_onednn())
+        if not isinstance(val, torch.Tensor) or (to_onednn and val.dtype == torch.float32):
             continue
         node.target = _tile_buffers.fresh_mm
         moved += 1
