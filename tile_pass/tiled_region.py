@@ -26,13 +26,13 @@ never from a formula written here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 
 from tile_pass import _region, _tile_buffers, _tiling, _weight_grad
 from tile_pass._higher_order import anchors, refuse_higher_order, scaled_by_upstream
-from tile_pass._op_results import acc_dtype, fake_grads, grads_or_empty, last_add_if
 from tile_pass._region import RowProgram
 from tile_pass._tile_kernel import (
     TensorSpec,
@@ -210,7 +210,7 @@ def _run_tiles(
     batch, hidden_size = hidden.shape
     num_tokens = batch if rows is None else rows.numel()
     vocab_size = program.vocab_size
-    acc = acc_dtype(hidden)
+    acc = torch.promote_types(torch.float32, hidden.dtype)  # float64 in, float64 sums: exact oracle checks
     tile, schedule = _plan(weight, tile_size, num_tokens, batch, acc, compile_tiles, need_weight)
     _tiling.last_tiles = (num_tokens, -(-num_tokens // tile), tile, schedule)
     key = TileKernelKey(
@@ -274,7 +274,8 @@ def _run_tiles(
             weight_grad_sum=weight_grad_sum,
             bias_grad_sum=bias_acc,
         )
-        with last_add_if(split and stop == num_tokens, weight_grad_sum):
+        last = split and stop == num_tokens  # the last add of a split sum rounds it
+        with _weight_grad.last_add(weight_grad_sum[0]) if last else contextlib.nullcontext():
             result = list(kernel(*inputs.flat()))
         if direct:
             grad_weight = result.pop()
@@ -336,6 +337,30 @@ def _fake_outputs(program: RowProgram, hidden: torch.Tensor) -> list[torch.Tenso
     ]
 
 
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,))
+
+
+def _grads_or_empty(hidden, weight, bias, grad_h, grad_w, grad_b):
+    """The gradients an op returns: an empty tensor where one is not needed (a custom op
+    returns tensors)."""
+    return (
+        grad_h if grad_h is not None else _empty(hidden),
+        grad_w.to(weight.dtype) if grad_w is not None else _empty(weight),
+        grad_b.to(bias.dtype) if grad_b is not None else _empty(weight),
+    )
+
+
+def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
+    """As :func:`_grads_or_empty` returns them: contiguous, whatever the inputs' layout (a
+    transposed weight's gradient is the contiguous ``[V, H]`` sum the tiles form)."""
+    return (
+        hidden.new_empty(hidden.shape) if need_hidden else _empty(hidden),
+        weight.new_empty(weight.shape) if need_weight else _empty(weight),
+        bias.new_empty(bias.shape) if need_bias else _empty(weight),
+    )
+
+
 # ------------------------------------------------------------------------- scalar loss
 
 
@@ -369,7 +394,7 @@ def _row_region_loss(
     )  # fmt: skip
     with _region.dispatch_as_caller():
         loss = _region.run_reduction(region.reduction, outputs, reduce_inputs, hidden.device.type)
-    return [loss, *grads_or_empty(hidden, weight, bias, *grads), *outputs]
+    return [loss, *_grads_or_empty(hidden, weight, bias, *grads), *outputs]
 
 
 @_row_region_loss.register_fake
@@ -377,7 +402,7 @@ def _(hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, *, program,
       compile_tiles, need_hidden, need_weight, need_bias):  # fmt: skip
     region = _region.lookup(program)
     loss = hidden.new_empty((), dtype=region.reduction.dtype)
-    return [loss, *fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias),
+    return [loss, *_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias),
             *_fake_outputs(region, hidden)]  # fmt: skip
 
 
@@ -458,13 +483,13 @@ def _row_region_backward(
         region, hidden, weight, bias, token_inputs, row_inputs, tangents, TileSize(tile_tokens, auto_tile),
         compile_tiles, (need_hidden, need_weight, need_bias), keep_outputs=False, rows=rows,
     )  # fmt: skip
-    return list(grads_or_empty(hidden, weight, bias, *grads))
+    return list(_grads_or_empty(hidden, weight, bias, *grads))
 
 
 @_row_region_backward.register_fake
 def _(tangents, hidden, weight, bias, token_inputs, row_inputs, *, program, tile_tokens, auto_tile,
       compile_tiles, need_hidden, need_weight, need_bias):  # fmt: skip
-    return list(fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias))
+    return list(_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias))
 
 
 def _region_setup_context(ctx, inputs, keyword_only_inputs, output):

@@ -357,11 +357,9 @@ def _middle_block_rows(key, logits: torch.fx.Node, gm: torch.fx.GraphModule) -> 
     tile = logits.meta.get("val")
     if key.device.type != "cpu" or not isinstance(tile, torch.Tensor) or tile.dim() != 2:
         return None
-    row_bytes = tile.shape[1] * tile.element_size()
-    for node in gm.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.shape == tile.shape:
-            row_bytes += val.shape[1] * val.element_size()
+    inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    tiles = [t for t in [tile, *inputs] if isinstance(t, torch.Tensor) and t.shape == tile.shape]
+    row_bytes = sum(t.shape[1] * t.element_size() for t in tiles)
     rows = _MIN_MIDDLE_BLOCK
     while (rows * 2) * row_bytes <= MIDDLE_BLOCK_BYTES:
         rows *= 2

@@ -2,9 +2,8 @@
 buffer from :func:`tile_pass._tile_buffers.empty`, which puts it on huge pages where it is
 large enough.
 
-A float32 GEMM that :mod:`tile_pass._tile_passes.onednn_gemms` routes to oneDNN keeps its own
-(the logits; a backward product on an AVX-512 CPU); a GEMM whose output is summed into, not
-returned, is left to the weight-gradient schedules.
+A float32 GEMM that :mod:`.onednn_gemms` routes to oneDNN keeps its own; a GEMM whose output
+is summed into, not returned, is left to the weight-gradient schedules.
 """
 
 from __future__ import annotations
