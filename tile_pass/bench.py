@@ -499,10 +499,11 @@ def _shape_key(row: dict[str, Any]) -> tuple:
 
 
 def _ratio_time(row: dict[str, Any], base: dict[str, Any]) -> float:
-    """``row``'s time over ``base``'s: interleaved steps where both have them (see
-    :func:`run_interleaved`), else each one's own fresh process."""
+    """``row``'s time over ``base``'s: the median of their steps' ratios round by round where both
+    were interleaved (:func:`run_interleaved`: a slow spell slows both), else their own medians."""
     if "interleaved_s" in row and "interleaved_s" in base:
-        return row["interleaved_s"] / base["interleaved_s"]
+        pairs = zip(row["interleaved_steps_s"], base["interleaved_steps_s"], strict=True)
+        return statistics.median(mine / theirs for mine, theirs in pairs)
     return row["median_s"] / base["median_s"]
 
 
@@ -602,7 +603,7 @@ def _time_interleaved(configs, rows, rounds: int, timeout: float, warm_cache: bo
         if isinstance(steps, str):
             row["interleaved_error"] = steps
         else:
-            row["interleaved_s"], row["interleaved_steps_s"] = statistics.median(steps), sorted(steps)
+            row["interleaved_s"], row["interleaved_steps_s"] = statistics.median(steps), steps  # by round
 
 
 def dynamic_lengths(top: int, hidden: int, vocab: int) -> list[int]:
