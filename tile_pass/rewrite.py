@@ -30,7 +30,7 @@ from tile_pass._options import TileOptions
 from tile_pass._region import Layout
 from tile_pass._returned_logits import ReturnedLogits
 from tile_pass._rules import LOSS_SIGNATURES, bind
-from tile_pass._tiling import TileSize, choose_tile_tokens, effective_tile, tile_bytes_per_token
+from tile_pass._tiling import TileSize, choose_tile_tokens
 from tile_pass._weight_grad import WeightGradSchedule
 from tile_pass.report import GraphReport, Rewrite, Skip, source_line
 
@@ -260,19 +260,12 @@ def _rewrite_row_regions(
 def _planned_tile(
     region, num_tokens, tile: TileSize, dtype: torch.dtype, compiled: bool
 ) -> tuple[int, WeightGradSchedule | None]:
-    """The tile and weight-gradient schedule the op will plan for a batch whose tokens all
-    count (``tile_pass.tiled_region._plan`` at run time, here on the sizes' hints, unguarded)."""
-    tokens_hint = optimization_hint(num_tokens, fallback=8192)
+    """The op's plan for a batch whose tokens all count, on the sizes' hints (unguarded)."""
+    tokens = optimization_hint(num_tokens, fallback=8192)
     weight = val(region.weight)
-    vocab, hidden = (optimization_hint(size, fallback=4096) for size in weight.shape)
-    per_token = tile_bytes_per_token(vocab, dtype, dtype != torch.float32, compiled)
-    tile_now = effective_tile(tokens_hint, tile, per_token if weight.device.type == "cpu" else 0)
-    if not weight.requires_grad:
-        return tile_now, None
-    return _weight_grad.plan(
-        tokens_hint, tile_now, tile, (vocab, hidden), dtype, torch.promote_types(torch.float32, dtype),
-        per_token, tokens_hint,
-    )  # fmt: skip
+    shape = tuple(optimization_hint(size, fallback=4096) for size in weight.shape)
+    planned = _weight_grad.plan_step(tokens, tokens, tile, shape, dtype, weight.device, compiled)
+    return planned if weight.requires_grad else (planned[0], None)
 
 
 def _reduction_text(region, covered: set) -> str:

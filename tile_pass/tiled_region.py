@@ -45,7 +45,7 @@ from tile_pass._tile_kernel import (
 from tile_pass._tile_passes import finish_tile_graph
 from tile_pass._tile_passes.onednn_gemms import onednn_gemms_apply
 from tile_pass._tile_passes.split_accumulation import finish_split
-from tile_pass._tiling import TileSize, effective_tile, tile_bytes_per_token
+from tile_pass._tiling import TileSize, effective_tile
 from tile_pass._token_weights import token_weights
 from tile_pass._weight_grad import WeightGradSchedule
 
@@ -172,18 +172,6 @@ def _skipped_rows(program: RowProgram, token_inputs, hidden, weights: dict | Non
     return (~skip).nonzero().squeeze(1)
 
 
-def _plan(weight, tile_size: TileSize, rows: int, batch: int, acc, compiled: bool, need_weight):
-    """The tile and the weight-gradient schedule (tile_pass._weight_grad.plan) for ``rows`` of a
-    batch of ``batch`` tokens: the one-tile ``DIRECT`` schedule, the split sum, tile growth and
-    shrink against the byte budget, as for the cross entropy."""
-    vocab, hidden = weight.shape
-    per_token = tile_bytes_per_token(vocab, weight.dtype, weight.dtype != torch.float32, compiled)
-    tile = effective_tile(rows, tile_size, per_token if weight.device.type == "cpu" else 0)
-    if not need_weight:
-        return tile, WeightGradSchedule.FLOAT32
-    return _weight_grad.plan(rows, tile, tile_size, (vocab, hidden), weight.dtype, acc, per_token, batch)
-
-
 @_tile_buffers.shared()
 def _run_tiles(
     program: RowProgram,
@@ -211,7 +199,9 @@ def _run_tiles(
     num_tokens = batch if rows is None else rows.numel()
     vocab_size = program.vocab_size
     acc = torch.promote_types(torch.float32, hidden.dtype)  # float64 in, float64 sums: exact oracle checks
-    tile, schedule = _plan(weight, tile_size, num_tokens, batch, acc, compile_tiles, need_weight)
+    tile, schedule = _weight_grad.plan_step(
+        num_tokens, batch, tile_size, weight.shape, weight.dtype, weight.device, compile_tiles, need_weight
+    )
     _tiling.last_tiles = (num_tokens, -(-num_tokens // tile), tile, schedule)
     key = TileKernelKey(
         program=program.key,
