@@ -319,7 +319,6 @@ class RowProgram:
     vocab_size: int
     #: per token input: its layout in the tile (``rows`` for a teacher's logits, ...)
     token_layouts: tuple[Layout, ...]
-    num_row_inputs: int
     has_bias: bool
     #: per token input that indexes the vocabulary: (input, how eager reports a bad index,
     #: ignore_index or None), checked before the tiles on CPU

@@ -712,7 +712,7 @@ def _build_region(matcher: RegionMatcher, outputs: list[RegionOutput]) -> RowReg
     program = _region.register(RowProgram(
         steps=steps, outputs=program_outputs, vocab_size=vocab_size, shard=shard,
         token_layouts=tuple(token_layouts.get(t.part, Layout.ROWS) for t in matcher.token_inputs),
-        num_row_inputs=len(matcher.row_inputs), has_bias=matcher.bias is not None,
+        has_bias=matcher.bias is not None,
         index_checks=tuple(matcher.index_checks), reduction=reduction_program, form=" -> ".join(steps_text),
     ))  # fmt: skip
     return RowRegion(

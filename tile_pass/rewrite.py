@@ -221,7 +221,11 @@ def _rewrite_row_regions(
             continue
         losses[:] = [loss for loss in losses if loss not in covered]
         num_tokens = region.num_tokens
-        tile_now, schedule = _planned_tile(region, num_tokens, tile, dtype, options.compile_tiles)
+        weight, tokens = val(region.weight), optimization_hint(num_tokens, fallback=8192)  # unguarded hints
+        shape = tuple(optimization_hint(size, fallback=4096) for size in weight.shape)
+        tile_now, schedule = _weight_grad.plan_step(
+            tokens, tokens, tile, shape, dtype, weight.device, options.compile_tiles
+        )
         itemsize = dtype.itemsize
         returned = [val(o.node) for o in region.outputs if o.shape.layout is Layout.ROWS]
         returned += [val(node) for node in region.kept_whole]
@@ -240,7 +244,7 @@ def _rewrite_row_regions(
                 loss_source=loss_line,
                 form=" -> ".join(region.steps_text) + f" => {outputs}" + parallel,
                 num_tokens=_plain(num_tokens),
-                hidden_size=_plain(val(region.weight).shape[1]),
+                hidden_size=_plain(weight.shape[1]),
                 vocab_size=_plain(vocab if shard is None else shard[2]),
                 dtype=str(dtype).replace("torch.", ""),
                 reduction=_reduction_text(region, covered),
@@ -251,21 +255,10 @@ def _rewrite_row_regions(
                 returned_logits=handled,
                 returned_logits_bytes=_plain(kept),
                 compiled_tiles=options.compile_tiles,
-                weight_grad_sum=_weight_grad_sum(schedule, dtype),
+                weight_grad_sum=_weight_grad_sum(schedule if weight.requires_grad else None, dtype),
                 token_skipping=_token_skipping(region),
             )
         )
-
-
-def _planned_tile(
-    region, num_tokens, tile: TileSize, dtype: torch.dtype, compiled: bool
-) -> tuple[int, WeightGradSchedule | None]:
-    """The op's plan for a batch whose tokens all count, on the sizes' hints (unguarded)."""
-    tokens = optimization_hint(num_tokens, fallback=8192)
-    weight = val(region.weight)
-    shape = tuple(optimization_hint(size, fallback=4096) for size in weight.shape)
-    planned = _weight_grad.plan_step(tokens, tokens, tile, shape, dtype, weight.device, compiled)
-    return planned if weight.requires_grad else (planned[0], None)
 
 
 def _reduction_text(region, covered: set) -> str:
