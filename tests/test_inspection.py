@@ -401,3 +401,38 @@ def test_report_says_which_tokens_the_tiles_skip_or_why_none(fn, expected):
     (rewrite,) = report.rewrites
     assert rewrite.token_skipping.startswith(expected), rewrite.token_skipping
     assert f"token skipping: {rewrite.token_skipping}" in str(report)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "dtype", "autocast", "tile_tokens"),
+    [
+        (1000, torch.float32, False, None),  # automatic tiles, the float32 sum
+        (1000, torch.float32, False, 96),  # a fixed tile, a short last one
+        (200, torch.bfloat16, False, None),  # one tile: the direct schedule
+        (3000, torch.bfloat16, False, None),  # the split sum
+        (3000, torch.float32, True, None),  # autocast: the plan of the bfloat16 weight
+    ],
+    ids=["fp32-auto", "fp32-fixed", "bf16-direct", "bf16-split", "autocast-bf16"],
+)
+def test_the_report_gives_the_plan_the_tiles_ran(tokens, dtype, autocast, tile_tokens):
+    """``explain`` plans from the sizes and the loop from the batch, with one planner: for a
+    batch whose every token counts they must agree on the tile, the tiles and the sum."""
+    from tile_pass import _tiling
+    from tile_pass.rewrite import _weight_grad_sum
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, 32, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(2000, 32, generator=g).to(dtype).requires_grad_()
+    y = torch.randint(0, 2000, (tokens,), generator=g)
+    backend = tile_pass.backend("aot_eager", tile_tokens=tile_tokens)
+    _tiling.last_tiles = None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = torch.compile(lambda h, w, y: F.cross_entropy(F.linear(h, w).float(), y), backend=backend)(
+            h, w, y
+        )
+    loss.backward()
+    (rewrite,) = backend.report().rewrites
+    rows, num_tiles, tile, schedule = _tiling.last_tiles
+    assert rows == tokens
+    assert (rewrite.tile_tokens, rewrite.num_tiles) == (tile, num_tiles)
+    assert rewrite.weight_grad_sum == _weight_grad_sum(schedule, torch.bfloat16 if autocast else dtype)
