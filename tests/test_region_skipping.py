@@ -46,8 +46,17 @@ def per_token_log_probs(h, w, y, mask):  # returned per token; zero where the la
     return -F.cross_entropy(F.linear(h, w), y, reduction="none")
 
 
+TEACHER = torch.randn(N, V, generator=torch.Generator().manual_seed(1)).log_softmax(-1)
+
+
+def masked_distillation(h, w, y, mask):  # a teacher's [N, V] rows: gathered, a short tile padded
+    kl = (TEACHER.exp() * (TEACHER - F.linear(h, w).log_softmax(-1))).sum(-1)
+    return (kl * mask).sum() / mask.sum()
+
+
 SKIPPING = {masked_grpo: "mask", mask_in_the_reduction: "mask", ce_plus_masked_entropy: "mask",
-            per_token_log_probs: "labels", z_loss_over_every_token: None}  # fmt: skip
+            per_token_log_probs: "labels", masked_distillation: "mask",
+            z_loss_over_every_token: None}  # fmt: skip
 
 
 def _inputs():

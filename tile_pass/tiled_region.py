@@ -248,11 +248,14 @@ def _run_tiles(
         size = tile if count == tile else effective_tile(count, TileSize(tile))
         kernel = _program_kernel(key if size == key.tile else dataclasses.replace(key, tile=size))
         picked = None if rows is None else rows[start:stop]
+        gather = None if rows is None else _tile_of(picked, 0, count, size)  # padded: one copy
 
-        def tile_of(t, zeros=False, picked=picked, start=start, stop=stop, size=size):
+        def tile_of(t, zeros=False, picked=picked, start=start, stop=stop, size=size, gather=gather):
             if picked is None:
                 return _tile_of(t, start, stop, size, zeros)
-            return _tile_of(t.index_select(0, picked), 0, stop - start, size, zeros)
+            if zeros:  # a tangent: its padding rows are zeros
+                return _tile_of(t.index_select(0, picked), 0, stop - start, size, zeros)
+            return t.index_select(0, gather)
 
         inputs = TileInputs(
             hidden=tile_of(hidden),
@@ -283,6 +286,7 @@ def _run_tiles(
                 grad_hidden[start:stop] = grad[:count]
             else:
                 grad_hidden.index_copy_(0, picked, grad[:count])
+        del inputs, result  # a tile's gathered rows go before the next tile's are made
     if split:  # rounded once into the weight dtype, over the high plane
         grad_weight = finish_split(*_weight_grad.settle(*weight_grad_sum), weight.dtype, compile_tiles)
     elif need_weight and not direct:
