@@ -162,17 +162,13 @@ def test_causal_lm_training_step_memory_inductor_large_vocab():
 @pytest.mark.parametrize("form", ["ce_zloss", "grpo"])
 def test_measured_peak_memory_of_multi_read_forms_is_flat_in_tokens(form):
     """CE + z-loss and a GRPO-style log-prob step (the logits read twice / by log_softmax +
-    gather), one fresh process each: well below plain compilation's peak, and the extra memory
-    of doubling N is the doubled inputs, not doubled logits."""
+    gather), one fresh process each: a fraction of the logits (plain compilation holds them
+    twice over: test_measured_peak_memory_drops_by_the_logits), and the extra memory of doubling
+    N is the doubled inputs, not doubled logits."""
     shape = dict(hidden=256, vocab=32000, inner="aot_eager", repeats=1, form=form, check=False)
-    plain = _measure(BenchConfig(impl="inductor", tokens=4096, **shape))
     tiled = _measure(BenchConfig(impl="tile_pass", tile_bytes=64 * 2**20, tokens=4096, **shape))
     doubled = _measure(BenchConfig(impl="tile_pass", tile_bytes=64 * 2**20, tokens=8192, **shape))
-    assert abs(plain["loss"] - tiled["loss"]) < 1e-4 * abs(plain["loss"]) + 1e-6
-    logits_mib = plain["logits_mib"]
-    assert plain["peak_mib"] > 2 * logits_mib
-    assert tiled["peak_mib"] < logits_mib / 3, (plain, tiled)
-    assert doubled["peak_mib"] - tiled["peak_mib"] < logits_mib / 4, (
-        tiled,
-        doubled,
-    )
+    logits_mib = tiled["logits_mib"]
+    assert tiled["fired"] and doubled["fired"], (tiled, doubled)
+    assert tiled["peak_mib"] < logits_mib / 3, tiled
+    assert doubled["peak_mib"] - tiled["peak_mib"] < logits_mib / 4, (tiled, doubled)
