@@ -436,3 +436,13 @@ def test_the_report_gives_the_plan_the_tiles_ran(tokens, dtype, autocast, tile_t
     assert rows == tokens
     assert (rewrite.tile_tokens, rewrite.num_tiles) == (tile, num_tiles)
     assert rewrite.weight_grad_sum == _weight_grad_sum(schedule, torch.bfloat16 if autocast else dtype)
+
+
+def test_a_dynamic_size_is_reported_with_its_value_at_compile():
+    backend = tile_pass.backend("aot_eager")
+    step = torch.compile(lambda h, w, y: F.cross_entropy(F.linear(h, w), y), backend=backend, dynamic=True)
+    h, w = torch.randn(300, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
+    step(h, w, torch.randint(0, 50, (300,))).backward()
+    (rewrite,) = backend.report().rewrites
+    assert rewrite.num_tokens.endswith(" (300 at compile)"), rewrite.num_tokens
+    assert "at compile) tiles" in str(rewrite), str(rewrite)

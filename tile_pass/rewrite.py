@@ -326,4 +326,4 @@ def _forward_bytes(itemsize: int, upcast: bool) -> int:
 
 
 def _plain(value) -> int | str:
-    return value if isinstance(value, int) else str(value)
+    return value if isinstance(value, int) else f"{value} ({optimization_hint(value, fallback=0)} at compile)"
