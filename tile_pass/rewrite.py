@@ -326,4 +326,5 @@ def _forward_bytes(itemsize: int, upcast: bool) -> int:
 
 
 def _plain(value) -> int | str:
-    return value if isinstance(value, int) else f"{value} ({optimization_hint(value, fallback=0)} at compile)"
+    hint = None if isinstance(value, int) else value.node.hint  # None: an unbacked size has no value
+    return value if isinstance(value, int) else str(value) if hint is None else f"{value} ({hint} at compile)"
