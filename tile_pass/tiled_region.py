@@ -331,17 +331,13 @@ def _fake_outputs(program: RowProgram, hidden: torch.Tensor) -> list[torch.Tenso
     ]
 
 
-def _empty(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty((0,))
-
-
 def _grads_or_empty(hidden, weight, bias, grad_h, grad_w, grad_b):
     """The gradients an op returns: an empty tensor where one is not needed (a custom op
     returns tensors)."""
     return (
-        grad_h if grad_h is not None else _empty(hidden),
-        grad_w.to(weight.dtype) if grad_w is not None else _empty(weight),
-        grad_b.to(bias.dtype) if grad_b is not None else _empty(weight),
+        grad_h if grad_h is not None else hidden.new_empty((0,)),
+        grad_w.to(weight.dtype) if grad_w is not None else weight.new_empty((0,)),
+        grad_b.to(bias.dtype) if grad_b is not None else weight.new_empty((0,)),
     )
 
 
@@ -349,9 +345,9 @@ def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
     """As :func:`_grads_or_empty` returns them: contiguous, whatever the inputs' layout (a
     transposed weight's gradient is the contiguous ``[V, H]`` sum the tiles form)."""
     return (
-        hidden.new_empty(hidden.shape) if need_hidden else _empty(hidden),
-        weight.new_empty(weight.shape) if need_weight else _empty(weight),
-        bias.new_empty(bias.shape) if need_bias else _empty(weight),
+        hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty((0,)),
+        weight.new_empty(weight.shape) if need_weight else weight.new_empty((0,)),
+        bias.new_empty(bias.shape) if need_bias else weight.new_empty((0,)),
     )
 
 
