@@ -120,6 +120,32 @@ def test_gpt2_logging_graph_break_is_reported_with_the_fix():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_shapes_step_is_rewritten_through_dynamos_restart(device):
+    """Under ``dynamic=True`` AOTAutograd asks Dynamo to trace a Llama again (a float scalar it
+    cannot turn into a tensor): the pass lets that restart through and rewrites the new graph,
+    instead of taking it for a compile failure of its rewrite and leaving the graph untiled."""
+    torch.manual_seed(0)
+    model = llama().to(device).train()
+    oracle = copy.deepcopy(model).double()
+    backend = tile_pass.backend("aot_eager", tile_tokens=8)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for length in (12, 20):
+        ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(length)).to(device)
+        labels = ids.clone()
+        labels[0, :7] = -100
+        out = compiled(input_ids=ids, labels=labels, use_cache=False)
+        ref = oracle(input_ids=ids, labels=labels, use_cache=False)
+        assert_close_to_oracle(out.loss, ref.loss, torch.float32, f"loss at {length}")
+        out.loss.backward()
+        ref.loss.backward()
+        assert_close_to_oracle(model.lm_head.weight.grad, oracle.lm_head.weight.grad, torch.float32, "grad")
+        model.zero_grad()
+        oracle.zero_grad()
+    report = backend.report()
+    assert len(report.graphs) == 1 and len(report.rewrites) == 1 and not report.skipped, str(report)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_nanogpt_style_tied_no_upcast(device):
     """nanoGPT: tied lm_head/wte, no upcast, ignore_index=-1, logits returned."""
 

@@ -125,6 +125,10 @@ class Backend:
         try:
             with outputs_guarded():
                 compiled = inner_compiler(gm, example_inputs)
+        except torch._dynamo.exc.RestartAnalysis:  # Dynamo traces the frame again and calls back
+            self.reports.remove(report)
+            self._graphs_seen -= 1
+            raise
         except Exception as error:
             if self.strict or not report.rewrites:
                 raise
