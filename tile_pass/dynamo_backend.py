@@ -53,7 +53,7 @@ def _resolve_inner(
 class Backend:
     """A configured tile_pass backend; pass it as ``torch.compile(fn, backend=...)``.
 
-    ``reports`` keeps the decisions for the last ``keep_reports`` graphs it compiled.
+    ``reports`` keeps the decisions for the last ``keep_reports`` graphs it compiled (at least one).
     """
 
     def __init__(
@@ -88,7 +88,7 @@ class Backend:
         )
         self._inner = _resolve_inner(inner, mode, self.options)
         self._graphs_seen = 0
-        self.reports: collections.deque[GraphReport] = collections.deque(maxlen=keep_reports)
+        self.reports: collections.deque[GraphReport] = collections.deque(maxlen=max(1, keep_reports))
 
     def __call__(
         self,
