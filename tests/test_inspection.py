@@ -448,9 +448,9 @@ def test_a_dynamic_size_is_reported_with_its_value_at_compile():
     assert "at compile) tiles" in str(rewrite), str(rewrite)
 
 
-def test_an_unbacked_size_is_reported_without_a_value(monkeypatch):
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_an_unbacked_size_is_reported_without_a_value():
     """A data-dependent token count had no value at compile: the report gives its expression alone."""
-    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
     backend = tile_pass.backend("aot_eager")
     step = torch.compile(lambda h, w, y: F.cross_entropy(F.linear(h[y >= 0], w), y[y >= 0]), backend=backend)
     h, w = torch.randn(300, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
