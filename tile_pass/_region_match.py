@@ -306,6 +306,12 @@ class RegionMatcher:
         if dtypes != {out_val.dtype}:
             if out_val.dtype not in (torch.bfloat16, torch.float16):
                 raise NoMatch("the linear's output dtype {} does not follow from its inputs", out_val.dtype)
+            # only autocast makes mixed inputs a half output; without it eager raises ("expected m1 and m2
+            # to have the same dtype"), and so does the graph left as it is (the fake run does not check)
+            state = self.step(projection, None, ()).autocast  # the node's autocast context, as a step's
+            if state is None or state[1] != out_val.dtype:
+                raise NoMatch("{} mixes dtypes {} outside autocast; eager raises on it (left to raise)",
+                              projection, sorted(str(d)[6:] for d in dtypes))  # fmt: skip
             self.autocast_dtype = out_val.dtype
         self.values: dict[torch.fx.Node, tuple[int, Shape]] = {
             projection: (0, Shape(Layout.ROWS, self.hidden_tokens))
