@@ -220,6 +220,9 @@ def _no_op_redistribute(node: torch.fx.Node) -> bool:
     return placements[0] is not None and placements[0] == placements[1] and meshes[0] == meshes[1]
 
 
+#: the ways Dynamo records ``a + b``
+_BIAS_ADDS = frozenset({"add", "__add__", "__radd__", "iadd", "add_"})
+
 #: the rules whose steps work over the vocabulary: a sharded region replaces them by their group-wide form
 _OVER_VOCAB = (RuleKind.VOCAB_REDUCTION, RuleKind.NORMALIZE, RuleKind.GATHER, RuleKind.LOSS)
 
@@ -374,7 +377,7 @@ class RegionMatcher:
         return self.side_input(arg, value, out, node)
 
     def side_input(self, arg, value: torch.Tensor, out: Shape, node) -> Ref:
-        if value.requires_grad:
+        if value.requires_grad and getattr(val(node), "requires_grad", True):  # (under no_grad: a constant)
             raise NoMatch("{} uses {}, which requires grad; a learnable tensor inside the region is not "
                           "tiled yet", node, arg)  # fmt: skip
         out_part = _region.row_part(out.layout, self.vocab)
@@ -438,6 +441,33 @@ class RegionMatcher:
         self.values[node] = (self.values[source][0], Shape(Layout.ROWS, tokens))
         return True
 
+    def bias_after(self, node: torch.fx.Node) -> bool:
+        """``x @ W.t() + b`` (or ``logits += b``) with a ``[V]`` bias of the logits' dtype, the
+        projection's only reader: the bias joins the projection, as ``F.linear(x, W, b)`` (the
+        same sum, one rounding less), so a learnable bias is differentiated as a linear's is."""
+        if node.op not in ("call_function", "call_method") or target_name(node.target) not in _BIAS_ADDS:
+            return False
+        if self.bias is not None or self.shard is not None or self.autocast_dtype is not None or node.kwargs:
+            return False
+        if len(node.args) != 2 or list(self.projection.users) != [node] or self.steps:
+            return False
+        logits, bias = node.args if node.args[0] is self.projection else node.args[::-1]
+        if logits is not self.projection or not isinstance(bias, torch.fx.Node) or bias in self.depends:
+            return False
+        logits_val, bias_val, out_val = val(logits), val(bias), val(node)
+        if not isinstance(bias_val, torch.Tensor) or out_val is None or bias_val.dim() == 0:
+            return False
+        if bias_val.dtype != logits_val.dtype or out_val.dtype != logits_val.dtype:
+            return False  # a promoting add is not the linear's
+        if bias_val.device != logits_val.device or not same(bias_val.shape[-1], self.vocab):
+            return False
+        if bias_val.dim() > logits_val.dim() or not all(same(d, 1) for d in bias_val.shape[:-1]):
+            return False
+        self.bias = bias
+        self.head_form += " + bias"
+        self.values[node] = self.values[self.projection]
+        return True
+
     def classify(self, node: torch.fx.Node) -> list[Classified]:
         """The node's steps by the rule registered for its op; ``NoMatch`` if it has none."""
         before = [a for a in node.all_input_nodes if a in self.pre_slice]
@@ -477,7 +507,7 @@ class RegionMatcher:
                 self.nodes.append(node)
                 continue
             try:
-                if self.token_slice(node):
+                if self.token_slice(node) or self.bias_after(node):
                     self.nodes.append(node)
                     continue
                 classified = self.classify(node)
@@ -788,6 +818,8 @@ def rewrite_row_region(
         for index in region.slices:
             tokens = graph.call_function(operator.getitem, (tokens, index))
         hidden, weight, bias = tokens, region.weight, region.bias
+        if bias is not None and val(bias).dim() != 1:  # a [1, 1, V] bias added after the matmul
+            bias = graph.call_method("reshape", (bias, (-1,)))
         if region.autocast_dtype is not None:  # what autocast does to F.linear's inputs
             hidden, weight = (graph.call_method("to", (t, region.autocast_dtype)) for t in (hidden, weight))
             if bias is not None:

@@ -249,9 +249,40 @@ def _inplace(matcher, node: torch.fx.Node) -> list[Classified]:
     mutated = node.args[0]
     if not isinstance(mutated, torch.fx.Node) or matcher.shape_of(mutated) is None:
         raise NoMatch("{} writes into a tensor from outside the region", node)
-    if len(mutated.users) != 1:
-        raise NoMatch("{} changes the logits in place while other code also reads them", node)
+    late = _read_after(node, mutated)
+    if late is not None:
+        raise NoMatch("{} changes the logits in place while {}, after it, reads them through another name",
+                      node, late)  # fmt: skip
     return _elementwise(matcher, node, _OUT_OF_PLACE[node.target])
+
+
+#: ops whose result may share memory with their first operand, so a later in-place write shows through
+_ALIASING = frozenset({
+    "view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "float", "double", "half", "bfloat16",
+    "to", "type", "detach", "expand", "view_as", "reshape_as", "t", "transpose", "permute", "narrow", "select",
+    "split", "chunk", "unbind", "getitem", "__getitem__", "as_strided", "movedim", "swapaxes", "unflatten",
+})  # fmt: skip
+
+
+def _read_after(node: torch.fx.Node, mutated: torch.fx.Node) -> torch.fx.Node | None:
+    """The first node that reads the memory ``node`` writes in place, other than through ``node``'s
+    own result, and comes after it; ``None`` if every other reader runs before it. Then eager's
+    readers before the write see the old value, those after it read ``node``'s result, and
+    replaying the write out of place is exact (what functionalization does)."""
+    root = mutated
+    while root.op in ("call_function", "call_method") and target_name(root.target) in _ALIASING and root.args:
+        if not isinstance(root.args[0], torch.fx.Node):
+            break
+        root = root.args[0]
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    aliases, stack = {root}, [root]
+    while stack:  # every name for the same memory: the root and its views, however taken
+        for user in stack.pop().users:
+            if user not in aliases and user is not node and target_name(user.target) in _ALIASING:
+                aliases.add(user)
+                stack.append(user)
+    late = [u for a in aliases for u in (a, *a.users) if u is not node and order[u] > order[node]]
+    return min(late, key=order.__getitem__) if late else None
 
 
 @register_rule(RuleKind.VIEW, "view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze",
