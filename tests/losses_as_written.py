@@ -32,7 +32,9 @@ def _concatenated(x, w, b, y):
         logits = logits + b
     logits = logits.float()
     half = x.shape[0] // 2
-    nll = F.cross_entropy(logits[:half].reshape(-1, logits.shape[-1]), y[:half].reshape(-1), ignore_index=IGNORE)
+    nll = F.cross_entropy(
+        logits[:half].reshape(-1, logits.shape[-1]), y[:half].reshape(-1), ignore_index=IGNORE
+    )
     return logits, half, nll
 
 

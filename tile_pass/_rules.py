@@ -259,8 +259,9 @@ def _inplace(matcher, node: torch.fx.Node) -> list[Classified]:
 #: ops whose result may share memory with their first operand, so a later in-place write shows through
 _ALIASING = frozenset({
     "view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "float", "double", "half", "bfloat16",
-    "to", "type", "detach", "expand", "view_as", "reshape_as", "t", "transpose", "permute", "narrow", "select",
-    "split", "chunk", "unbind", "getitem", "__getitem__", "as_strided", "movedim", "swapaxes", "unflatten",
+    "to", "type", "detach", "expand", "view_as", "reshape_as", "t", "transpose", "permute", "narrow",
+    "select", "split", "chunk", "unbind", "getitem", "__getitem__", "as_strided", "movedim", "swapaxes",
+    "unflatten",
 })  # fmt: skip
 
 
