@@ -59,10 +59,12 @@ class TokenInput:
 
 @dataclass
 class RowInput:
-    """A tensor from outside the region that every row shares (0-d, ``[V]``, ``[1]``)."""
+    """A tensor from outside the region that every row shares (0-d, ``[V]``, ``[1]``), or
+    the weight (and bias) of another projection of the same rows, taken ``whole``."""
 
     node: torch.fx.Node
     zero_dim: bool
+    whole: bool = False
 
 
 @dataclass
@@ -112,6 +114,16 @@ def _autocast_states(graph: torch.fx.Graph) -> dict[torch.fx.Node, tuple]:
             stack.pop()
         states[node] = tuple(s for _, s in stack)
     return states
+
+
+def _descendants(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return seen
 
 
 def _projection_like(node: torch.fx.Node) -> bool:
@@ -337,6 +349,7 @@ class RegionMatcher:
         self.slice_steps: list[int] = []
         self.slice_nodes: list[torch.fx.Node] = []
         self.pre_slice: set[torch.fx.Node] = set()  # values computed before the last of them
+        self.partners: list[torch.fx.Node] = []  # other heads' projections whose tiles the region computes
 
     # ---------------------------------------------------------------- operands
 
@@ -481,11 +494,69 @@ class RegionMatcher:
 
     # ---------------------------------------------------------------- phases
 
+    def partner_projections(self) -> set[torch.fx.Node]:
+        """Other projections onto the same vocabulary whose logits this region's readers combine
+        with row by row (a frozen teacher's head beside the student's), and which need no
+        gradient: each tile computes their logits too, so neither head's ``[N, V]`` logits exist."""
+        if self.shard is not None:
+            return set()
+        mine = _descendants(self.projection) | {self.projection}
+        partners = set()
+        for node in self.graph.nodes:
+            if node in mine or node.op not in ("call_function", "call_method"):
+                continue
+            try:
+                linear = as_linear(node)
+            except NoMatch:
+                continue
+            out = val(node)
+            if linear is None or out is None or out.requires_grad or not same(out.shape[-1], self.vocab):
+                continue
+            weight = val(linear[1])
+            if linear[1] in mine or weight is None or weight.dim() != 2 or hasattr(weight, "placements"):
+                continue
+            if any(u in mine for u in _descendants(node)):
+                partners.add(node)
+        return partners
+
+    def add_partner(self, node: torch.fx.Node) -> None:
+        """The partner projection ``node`` as a step: ``F.linear`` of its hidden states (sliced
+        per tile, a per-token input) and its weight and bias (shared by every row)."""
+        hidden, weight, bias, transpose, _ = as_linear(node)
+        hidden_val, out_val = val(hidden), val(node)
+        tokens = tuple(out_val.shape[:-1])
+        if hidden_val is None or not same(hidden_val.shape[-1], val(weight).shape[1]):
+            raise NoMatch("{} projects hidden states that do not match its weight", node)
+        if self.slices:
+            raise NoMatch("{} is a second head after the logits' token rows were sliced", node)
+        entry = TokenInput(hidden, (hidden_val.shape[-1],), self.flat_tokens(tokens))
+        self.token_inputs.append(entry)
+        args = [Ref(RefKind.TOKEN, len(self.token_inputs) - 1)]
+        for operand in (weight, bias):
+            if operand is not None:
+                self.row_inputs.append(RowInput(operand, False, whole=True))
+                args.append(Ref(RefKind.ROW, len(self.row_inputs) - 1))
+        classified = Classified(self.step(node, F.linear, args), Shape(Layout.ROWS, tokens))
+        self._add(node, classified, RuleKind.ELEMENTWISE)
+        if transpose is not None and list(transpose.users) == [node]:
+            self.nodes.append(transpose)
+        self.nodes.append(node)
+        self.partners.append(node)
+
     def walk(self) -> None:
         """Phase 2: every node that depends on the logits, in graph order."""
         self.depends = {self.projection}
         cone = {self.projection}  # reached from the logits without another projection between
+        partners = self.partner_projections()
         for node in self.graph.nodes:
+            if node in partners:
+                try:
+                    self.add_partner(node)
+                    self.depends.add(node)
+                except NoMatch as why:
+                    why.node = why.node or node
+                    self.outside[node] = why
+                continue
             if node is self.projection or not any(a in self.depends for a in node.all_input_nodes):
                 continue
             self.depends.add(node)
@@ -519,7 +590,7 @@ class RegionMatcher:
                 self._add(node, entry)
             self.nodes.append(node)
 
-    def _add(self, node: torch.fx.Node, entry: Classified) -> None:
+    def _add(self, node: torch.fx.Node, entry: Classified, kind: RuleKind | None = None) -> None:
         """A step of ``node`` joins the program; its readers see its value (reduced, if it is)."""
         index = len(self.steps) + 1
         step = entry.step
@@ -527,7 +598,7 @@ class RegionMatcher:
             step = replace(step, args=(Ref(RefKind.VALUE, index - 1), *step.args[1:]))
         self.steps.append(step)
         self.step_shapes.append(entry.shape)
-        self.step_kinds.append(_rules.rule_for(node).kind)
+        self.step_kinds.append(kind or _rules.rule_for(node).kind)
         self.values[node] = (index, entry.shape)
         per_token = frozenset(i for i, t in enumerate(self.token_inputs) if t.part in ((), (1,)))
         self.zeros[index] = _region.zero_where(step, self.zeros, per_token)
@@ -829,7 +900,8 @@ def rewrite_row_region(
             for t in region.token_inputs
         ]
         row_nodes = [
-            graph.call_method("reshape", (r.node, () if r.zero_dim else (-1,))) for r in region.row_inputs
+            r.node if r.whole else graph.call_method("reshape", (r.node, () if r.zero_dim else (-1,)))
+            for r in region.row_inputs
         ]
         if region.program.shard is not None and hasattr(val(region.weight), "device_mesh"):  # DTensors
             from tile_pass._distributed import run_sharded_region as run_region

@@ -189,11 +189,13 @@ def _rows_operand(matcher, node: torch.fx.Node, source=None) -> tuple[Ref, Shape
 # ------------------------------------------------------------------------------ rules
 
 _UNARY = ["tanh", "exp", "log", "neg", "abs", "sigmoid", "sqrt", "rsqrt", "square", "log1p", "expm1",
-          "exp2", "relu", "clamp", "clip", "nan_to_num", "logical_not", "isnan", "isfinite", "isinf", "sign",
+          "clamp_min", "clamp_max", "exp2", "relu", "clamp", "clip", "nan_to_num", "logical_not", "isnan",
+          "isfinite", "isinf", "sign",
           "reciprocal", "detach", "softplus", "logsigmoid", "float", "double", "half", "bfloat16", "to",
           "type"]  # fmt: skip
 _BINARY = ["add", "sub", "mul", "div", "true_divide", "pow", "eq", "ne", "lt", "le", "gt", "ge", "maximum",
-           "minimum", "logical_and", "logical_or", "where", "masked_fill", "xlogy", "rsub"]  # fmt: skip
+           "minimum", "logical_and", "logical_or", "where", "masked_fill", "xlogy", "rsub",
+           "lerp"]  # fmt: skip
 _CASTS = ("float", "double", "half", "bfloat16", "to", "type")  # methods only
 _OPERATORS = ("add", "sub", "mul", "truediv", "pow", "eq", "ne", "lt", "le", "gt", "ge", "neg", "abs", "and_",
               "or_")  # fmt: skip

@@ -190,7 +190,7 @@ def _rewrite_row_regions(
     report = result.report
     states = _region_match._autocast_states(gm.graph)
     for node in [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]:
-        if node.graph is None:  # erased by an earlier rewrite
+        if node.graph is None or node._erased:  # erased by an earlier rewrite (a partner head's included)
             continue
         current[:] = [node]
         covered: set[torch.fx.Node] = set()  # the nodes of a matched region
