@@ -54,6 +54,11 @@ def _call(fn, kind, tensors, y, extra, rl, trainable):
 
 
 CASES = [
+    ("dpo", "preference", ("x", "w", "b")),
+    ("orpo", "preference", ("x", "w", "b")),
+    ("simpo", "preference", ("x", "w")),
+    ("dpo_shifted", "preference", ("x", "w", "b")),
+    ("kto", "preference", ("x", "w", "b")),
     ("grpo", "rl", ("x", "w", "b")),
     ("distill_jsd", "distill", ("x", "w")),
     ("distill_forward_kl", "distill", ("x", "w")),

@@ -55,6 +55,9 @@ class TokenInput:
     node: torch.fx.Node
     part: tuple  # its shape after the token dims: (), (1,) or (V,)
     flat_tokens: bool  # its site's token dims are the flattened [N] (else the hidden states')
+    #: read with a selection of the token rows (``logits[:B]``): the selection's index over the
+    #: hidden states' token dims; the input covers those rows only and is spread over all of them
+    subset: tuple | None = None
 
 
 @dataclass
@@ -75,6 +78,7 @@ class RegionOutput:
     differentiable: bool
     after_tiles: AfterTiles | None = None  # the token reduction left to do
     flat_tokens: bool = False  # its token dims are the flattened [N] (else the hidden states')
+    subset: tuple | None = None  # computed on a selection of the token rows: its index
 
 
 @dataclass
@@ -162,6 +166,30 @@ def _per_token(x: torch.Tensor, hidden: torch.Tensor, flat_tokens: bool, part_di
     part = tuple(x.shape[x.dim() - part_dims :]) if part_dims else ()
     tokens = (math.prod(hidden.shape[:-1]),) if flat_tokens else tuple(hidden.shape[:-1])
     return x.expand(*tokens, *part).reshape(-1, *part)
+
+
+def _spread(x: torch.Tensor, hidden: torch.Tensor, flat_tokens: bool, part_dims: int, subset: tuple):
+    """A per-token operand of a selection of the token rows (``y[:B]`` beside ``logits[:B]``) as the
+    tiles take it: ``[N, *part]`` over all rows, its own rows at the selection and, elsewhere, a
+    copy of its first row (finite wherever the data is; the outputs there are never read and get
+    zero tangents, so they add exactly nothing to any gradient)."""
+    part = tuple(x.shape[x.dim() - part_dims :]) if part_dims else ()
+    tokens = tuple(hidden.shape[:-1])
+    picked = tuple(hidden[subset].shape[:-1])
+    x = x.expand(*((math.prod(picked),) if flat_tokens else picked), *part).reshape(*picked, *part)
+    if x.numel() == 0:
+        full = x.new_zeros((*tokens, *part))
+    else:
+        full = x.reshape(-1, *part)[:1].expand(math.prod(tokens), *part).reshape(*tokens, *part).clone()
+    full[subset[:-1]] = x
+    return full.reshape(-1, *part)
+
+
+def _select(flat: torch.Tensor, hidden: torch.Tensor, subset: tuple) -> torch.Tensor:
+    """The rows of a selection (``subset``, an index over the hidden states' token dims) of a
+    per-token output the tiles computed on all rows, flat."""
+    part = tuple(flat.shape[1:])
+    return flat.view(*hidden.shape[:-1], *part)[subset[:-1]].reshape(-1, *part)
 
 
 def _restore(flat: torch.Tensor, hidden: torch.Tensor, flat_tokens: bool) -> torch.Tensor:
@@ -350,14 +378,22 @@ class RegionMatcher:
         self.slice_nodes: list[torch.fx.Node] = []
         self.pre_slice: set[torch.fx.Node] = set()  # values computed before the last of them
         self.partners: list[torch.fx.Node] = []  # other heads' projections whose tiles the region computes
+        #: row selections read beside all rows (``logits[:B]``): kept as selections of the tiles'
+        #: rows rather than moved onto the hidden states (a second matching pass turns this on)
+        self.select_rows = False
+        self.selections: list[tuple[tuple, tuple]] = []  # (index, the selected token dims)
+        self.selection_of: dict[torch.fx.Node, int] = {}  # region value -> its selection
+        self.selection: int | None = None  # the selection of the node being classified
 
     # ---------------------------------------------------------------- operands
 
     def flat_tokens(self, tokens: tuple) -> bool:
-        """Whether a token shape is the flattened [N] (else it must be the hidden states')."""
-        if same_shape(tokens, self.hidden_tokens):
+        """Whether a token shape is the flattened [N] (else it must be the hidden states', or
+        those of the row selection being classified)."""
+        grid = self.hidden_tokens if self.selection is None else self.selections[self.selection][1]
+        if same_shape(tokens, grid):
             return False
-        if len(tokens) == 1 and same(tokens[0], self.num_tokens):
+        if len(tokens) == 1 and same(tokens[0], math.prod(grid)):
             return True
         raise NoMatch("the logits' token dimensions are regrouped into {}", tuple(tokens))
 
@@ -411,7 +447,8 @@ class RegionMatcher:
         if not per_token and part and not same(part[0], 1):
             raise NoMatch("{} broadcasts {} over tokens into [N, V] rows", node, arg)
         part = tuple(1 if same(p, 1) else self.vocab for p in part)
-        entry = TokenInput(arg, part, self.flat_tokens(out.tokens))
+        subset = None if self.selection is None else self.selections[self.selection][0]
+        entry = TokenInput(arg, part, self.flat_tokens(out.tokens), subset)
         if entry not in self.token_inputs:  # dataclass equality: the same node, part and token dims
             self.token_inputs.append(entry)
         return Ref(RefKind.TOKEN, self.token_inputs.index(entry))
@@ -453,6 +490,43 @@ class RegionMatcher:
         self.hidden_tokens, self.num_tokens = tokens, math.prod(tokens)
         self.values[node] = (self.values[source][0], Shape(Layout.ROWS, tokens))
         return True
+
+    def row_selection(self, node: torch.fx.Node) -> bool:
+        """``logits[:B]``, ``logits[B:]``, ``logits[:, :-1]`` read beside all rows (the second
+        matching pass): the tiles compute every row, and what is computed from the selection is
+        a value of its rows alone. Per-token operands of those rows are spread over all rows
+        (:func:`_spread`), and outputs are selected back after the tiles (:func:`_select`), so
+        a mean over the selection keeps eager's denominator."""
+        if not self.select_rows:
+            return False
+        source = node.args[0] if node.op == "call_function" and node.target is operator.getitem else None
+        shape = self.shape_of(source)
+        if shape is None or shape.layout is not Layout.ROWS:
+            return False
+        index = leading_index(node, len(shape.tokens) + 1)
+        if index is None:
+            return False
+        if source in self.selection_of or not same_shape(shape.tokens, self.hidden_tokens):
+            raise NoMatch("{} selects token rows of rows already selected or regrouped", node)
+        bounds: list[torch.fx.Node] = []
+        torch.fx.node.map_arg(index, bounds.append)
+        if bounds:
+            raise NoMatch("{} selects token rows with a symbolic bound", node)
+        tokens = tuple(val(node).shape[:-1])
+        known = next((k for k, (i, _) in enumerate(self.selections) if repr(i) == repr(index)), None)
+        if known is None:
+            self.selections.append((index, tokens))
+            known = len(self.selections) - 1
+        self.values[node] = (self.values[source][0], Shape(Layout.ROWS, tokens))
+        self.selection_of[node] = known
+        return True
+
+    def _selection_read(self, node: torch.fx.Node) -> int | None:
+        """The row selection the region values ``node`` reads were computed on (``None``: all rows)."""
+        found = {self.selection_of.get(a) for a in node.all_input_nodes if a in self.values}
+        if len(found) > 1:
+            raise NoMatch("{} combines values of different selections of the token rows", node)
+        return found.pop() if found else None
 
     def bias_after(self, node: torch.fx.Node) -> bool:
         """``x @ W.t() + b`` (or ``logits += b``) with a ``[V]`` bias of the logits' dtype, the
@@ -578,16 +652,21 @@ class RegionMatcher:
                 self.nodes.append(node)
                 continue
             try:
-                if self.token_slice(node) or self.bias_after(node):
+                if self.row_selection(node) or self.token_slice(node) or self.bias_after(node):
                     self.nodes.append(node)
                     continue
+                selection = self.selection = self._selection_read(node)
                 classified = self.classify(node)
             except NoMatch as why:
                 why.node = why.node or node
                 self.outside[node] = why
                 continue
+            finally:
+                self.selection = None
             for entry in classified:
                 self._add(node, entry)
+            if selection is not None:
+                self.selection_of[node] = selection
             self.nodes.append(node)
 
     def _add(self, node: torch.fx.Node, entry: Classified, kind: RuleKind | None = None) -> None:
@@ -621,6 +700,9 @@ class RegionMatcher:
                 continue
             if shape.layout is Layout.TUPLE:
                 raise NoMatch("{} is used whole; take its values and indices apart first", node)
+            if shape.layout is Layout.ROWS and node in self.selection_of:
+                raise NoMatch("{} selects token rows that {} reads as [tokens, V] rows, so they must exist "
+                              "whole", node, users[0], node=users[0])  # fmt: skip
             if shape.layout is Layout.ROWS:
                 if node in self.pre_slice:  # before the token slice: returned whole, or dropped
                     if all(u.op == "output" for u in users):
@@ -650,7 +732,10 @@ class RegionMatcher:
         if not outputs:
             return None
         for out in outputs:
+            self.selection = self.selection_of.get(out.node)
             out.flat_tokens = self.flat_tokens(out.shape.tokens)
+            out.subset = None if self.selection is None else self.selections[self.selection][0]
+        self.selection = None
         return outputs
 
     def scalar_loss(self, outputs: list[RegionOutput]):
@@ -681,16 +766,21 @@ class RegionMatcher:
             return Ref(RefKind.REDUCE, inputs.index(arg))
 
         for k, out in enumerate(outputs):
-            flat, read = out.flat_tokens, Ref(RefKind.OUTPUT, k)
+            flat, read, rows = out.flat_tokens, Ref(RefKind.OUTPUT, k), hidden
+            if out.subset is not None:  # the selection's rows of what the tiles computed on all rows
+                steps.append(self.step(out.node, _select, (read, hidden, out.subset)))
+                read = Ref(RefKind.VALUE, len(steps) - 1)
+                steps.append(self.step(out.node, operator.getitem, (hidden, out.subset)))
+                rows = Ref(RefKind.VALUE, len(steps) - 1)
             if out.after_tiles is not None:
                 try:
                     operands = [external(a) for a in out.after_tiles.operands]
                 except NoMatch:  # labels or class weights computed from the logits
                     return None
-                args = (read, out.after_tiles.how, hidden, flat, *operands)
+                args = (read, out.after_tiles.how, rows, flat, *operands)
                 steps.append(self.step(out.node, _after_tiles, args))
             else:
-                steps.append(self.step(out.node, _restore, (read, hidden, flat)))
+                steps.append(self.step(out.node, _restore, (read, rows, flat)))
             env[out.node] = Ref(RefKind.VALUE, len(steps) - 1)
             if out.differentiable:
                 linear.add(out.node)
@@ -759,14 +849,26 @@ def match_row_region(
         return None
     if linear is None:
         return None
-    matcher = RegionMatcher(graph, projection, linear, autocast_states or _autocast_states(graph), drop_rows)
+    states = autocast_states or _autocast_states(graph)
+    matcher = RegionMatcher(graph, projection, linear, states, drop_rows)
     try:
         matcher.walk()
         outputs = matcher.collect_outputs()
         return None if outputs is None else _build_region(matcher, outputs)
     except NoMatch as why:
         why.depends = matcher.depends  # the skip replaces the reports of the losses it holds
-        raise
+        if not matcher.slices:
+            raise
+        # a token slice read beside all rows (DPO's NLL on the chosen half): the second pass keeps
+        # every slice a selection of the tiles' rows; if that fails too, the first reason stands
+        retry = RegionMatcher(graph, projection, linear, states, drop_rows)
+        retry.select_rows = True
+        try:
+            retry.walk()
+            outputs = retry.collect_outputs()
+            return None if outputs is None else _build_region(retry, outputs)
+        except NoMatch:
+            raise why from None
 
 
 def first_stop(
@@ -896,9 +998,10 @@ def rewrite_row_region(
             if bias is not None:
                 bias = graph.call_method("to", (bias, region.autocast_dtype))
         token_nodes = [
-            graph.call_function(_per_token, (t.node, tokens, t.flat_tokens, len(t.part)))
+            graph.call_function(_per_token, (t.node, tokens, t.flat_tokens, len(t.part))) if t.subset is None
+            else graph.call_function(_spread, (t.node, tokens, t.flat_tokens, len(t.part), t.subset))
             for t in region.token_inputs
-        ]
+        ]  # fmt: skip
         row_nodes = [
             r.node if r.whole else graph.call_method("reshape", (r.node, () if r.zero_dim else (-1,)))
             for r in region.row_inputs
@@ -916,13 +1019,16 @@ def rewrite_row_region(
             if economy and out.node is region.sink:  # the op's loss (below) replaces it
                 continue
             flat = graph.call_function(operator.getitem, (call, k + offset))
+            rows = tokens
+            if out.subset is not None:
+                flat = graph.call_function(_select, (flat, tokens, out.subset))
+                rows = graph.call_function(operator.getitem, (tokens, out.subset))
             if out.after_tiles is not None:
                 after = out.after_tiles
-                value = graph.call_function(
-                    _after_tiles, (flat, after.how, tokens, out.flat_tokens, *after.operands)
-                )
+                args = (flat, after.how, rows, out.flat_tokens, *after.operands)
+                value = graph.call_function(_after_tiles, args)
             else:
-                value = graph.call_function(_restore, (flat, tokens, out.flat_tokens))
+                value = graph.call_function(_restore, (flat, rows, out.flat_tokens))
             restored[out.node] = value
             out.node.replace_all_uses_with(value, delete_user_cb=lambda user: user not in members)
         if economy:
