@@ -917,10 +917,14 @@ def _build_region(matcher: RegionMatcher, outputs: list[RegionOutput]) -> RowReg
         steps = tuple(_shard_program_steps(matcher))
         vocab_size = matcher.shard[2]
         shard = (matcher.shard[0], matcher.shard[1], int(matcher.vocab))
-    token_layouts = {(): Layout.TOKENS, (1,): Layout.TOKENS1}
+    def token_layout(part: tuple) -> Layout:  # (a partner head's hidden size may be symbolic: no hashing)
+        if not part:
+            return Layout.TOKENS
+        return Layout.TOKENS1 if len(part) == 1 and type(part[0]) is int and part[0] == 1 else Layout.ROWS
+
     program = _region.register(RowProgram(
         steps=steps, outputs=program_outputs, vocab_size=vocab_size, shard=shard,
-        token_layouts=tuple(token_layouts.get(t.part, Layout.ROWS) for t in matcher.token_inputs),
+        token_layouts=tuple(token_layout(t.part) for t in matcher.token_inputs),
         has_bias=matcher.bias is not None,
         index_checks=tuple(matcher.index_checks), reduction=reduction_program, form=" -> ".join(steps_text),
     ))  # fmt: skip
