@@ -8,7 +8,7 @@ import models
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_close_to_oracle, leaves, value_and_grads
+from conftest import DEVICES, assert_close_to_oracle, leaves, value_and_grads
 from models import V
 
 import tile_pass
@@ -121,3 +121,94 @@ def test_logging_through_torch_logs(capfd):
         torch._logging.set_logs()
     err = capfd.readouterr().err
     assert "REWRITTEN" in err
+
+
+# Every spelling of the LM head's transpose a user writes (each torch version records some of them
+# differently: ``W.T``/``W.mT`` are ``getattr`` nodes up to torch 2.14 and ``aten.numpy_T``/``aten.mT``
+# from 2.15), each rewritten and exact on the installed torch through one normalisation.
+HEADS = {
+    "h @ w.T": lambda h, w: h @ w.T,
+    "h @ w.mT": lambda h, w: h @ w.mT,
+    "h @ w.t()": lambda h, w: h @ w.t(),
+    "torch.matmul(h, w.mT)": lambda h, w: torch.matmul(h, w.mT),
+    "torch.matmul(h, w.T.contiguous())": lambda h, w: torch.matmul(h, w.T.contiguous()),
+    "torch.matmul(h, w.T).contiguous()": lambda h, w: torch.matmul(h, w.T).contiguous(),
+    "h @ w.mT.contiguous()": lambda h, w: h @ w.mT.contiguous(),
+    "h @ w.contiguous().T": lambda h, w: h @ w.contiguous().T,
+    "h @ w.t().contiguous()": lambda h, w: h @ w.t().contiguous(),
+    "h @ w.T.T.T": lambda h, w: h @ w.T.T.T,
+    "h.matmul(w.transpose(0, 1))": lambda h, w: h.matmul(w.transpose(0, 1)),
+    "h @ w.transpose(-1, -2)": lambda h, w: h @ w.transpose(-1, -2),
+    "h @ w.transpose(dim0=1, dim1=0)": lambda h, w: h @ w.transpose(dim0=1, dim1=0),
+    "h @ torch.transpose(w, 0, 1)": lambda h, w: h @ torch.transpose(w, 0, 1),
+    "h @ w.swapaxes(0, 1)": lambda h, w: h @ w.swapaxes(0, 1),
+    "h @ w.permute(1, 0)": lambda h, w: h @ w.permute(1, 0),
+    "h @ torch.permute(w, (1, 0))": lambda h, w: h @ torch.permute(w, (1, 0)),
+    "h @ torch.t(w)": lambda h, w: h @ torch.t(w),
+    "h @ w.permute(1, 0).contiguous()": lambda h, w: h @ w.permute(1, 0).contiguous(),
+    "torch.mm(h2d, w.T)": lambda h, w: torch.mm(h.reshape(-1, h.shape[-1]), w.T),
+    "h.mm(w.mT)": lambda h, w: h.reshape(-1, h.shape[-1]).mm(w.mT),
+    "F.linear(h, w)": lambda h, w: F.linear(h, w),
+    "F.linear(h, w.contiguous())": lambda h, w: F.linear(h, w.contiguous()),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head", list(HEADS))
+def test_every_transpose_spelling_is_rewritten_and_exact(head, device):
+    def loss_fn(h, w, y):
+        return F.cross_entropy(HEADS[head](h, w).reshape(-1, V), y.reshape(-1))
+
+    h, w, y = (t.to(device) for t in _inputs())
+    report = tile_pass.explain(loss_fn, h, w, y)
+    assert not report.skipped, str(report)
+    assert len(report.rewrites) == 1, str(report)
+    form = "F.linear" if head.startswith("F.linear") else "hidden @ W.T"
+    assert report.rewrites[0].form.startswith(form), str(report)
+    assert report.rewrites[0].vocab_size == V and report.rewrites[0].hidden_size == models.H
+
+    torch._dynamo.reset()
+    backend = tile_pass.backend("aot_eager")
+    ref, ref_grads = value_and_grads(loss_fn, leaves(h, w, y))
+    out, grads = value_and_grads(torch.compile(loss_fn, backend=backend), leaves(h, w, y))
+    assert len(backend.report().rewrites) == 1, str(backend.report())
+    assert_close_to_oracle(out, ref, torch.float32, "loss")
+    for name, g, rg in zip(("hidden", "weight"), grads[:2], ref_grads[:2], strict=True):
+        assert_close_to_oracle(g, rg, torch.float32, f"{name} grad")
+
+
+# With no swap on the way, the right operand is the weight as stored, not its transpose: left as written.
+# An even number of swaps (on a square weight) is the transpose of the inner view: rewritten and exact.
+SQUARE = {  # the head, and whether it is rewritten
+    "h @ w.contiguous()": (lambda h, w: h @ w.contiguous(), False),
+    "h @ w.transpose(0, 0)": (lambda h, w: h @ w.transpose(0, 0), False),
+    "h @ w.permute(0, 1).contiguous()": (lambda h, w: h @ w.permute(0, 1).contiguous(), False),
+    "h @ w.T.T": (lambda h, w: h @ w.T.T, True),
+    "h @ w.mT.t()": (lambda h, w: h @ w.mT.t(), True),
+    "h @ w.permute(1, 0).transpose(-1, -2)": (lambda h, w: h @ w.permute(1, 0).transpose(-1, -2), True),
+}
+
+
+@pytest.mark.parametrize("head", list(SQUARE))
+def test_the_weight_is_what_the_last_swap_transposes(head):
+    def loss_fn(h, w, y):  # a square w: h @ w has H classes
+        return F.cross_entropy(SQUARE[head][0](h, w).reshape(-1, models.H), y.reshape(-1))
+
+    h, _, _ = _inputs()
+    w = torch.randn(models.H, models.H, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, models.H, (2, 7), generator=torch.Generator().manual_seed(2))
+    report = tile_pass.explain(loss_fn, h, w, y)
+    rewritten = SQUARE[head][1]
+    if rewritten:
+        assert len(report.rewrites) == 1 and not report.skipped, str(report)
+    else:
+        assert not report.rewrites, str(report)
+        assert len(report.skipped) == 1 and "not a transposed 2-D weight" in report.skipped[0].reason
+    torch._dynamo.reset()
+    backend = tile_pass.backend("aot_eager")
+    ref, ref_grads = value_and_grads(loss_fn, leaves(h, w, y))
+    out, grads = value_and_grads(torch.compile(loss_fn, backend=backend), leaves(h, w, y))
+    assert len(backend.report().rewrites) == int(rewritten), str(backend.report())
+    assert_close_to_oracle(out, ref, torch.float32, "loss")
+    for name, g, rg in zip(("hidden", "weight"), grads[:2], ref_grads[:2], strict=True):
+        assert_close_to_oracle(g, rg, torch.float32, f"{name} grad")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Hashable
 
 import torch
 import torch.fx
@@ -70,22 +71,69 @@ def same_shape(a, b) -> bool:
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
 
 
-def transposed_weight(node) -> torch.fx.Node | None:
-    """``W`` if ``node`` is ``W.t()``, ``W.T``, ``W.mT``, ``W.transpose(0, 1)`` or ``W.permute(1, 0)``."""
-    if not isinstance(node, torch.fx.Node) or not node.args:
+# How a 2-D weight's transpose may appear in a Dynamo graph: each torch version records a property
+# its own way (``W.T`` / ``W.mT`` were ``getattr(W, "T")`` up to torch 2.14, ``aten.numpy_T`` /
+# ``aten.mT`` op packets from 2.15) and a method as ``call_method`` or as the ``torch.*`` function.
+# Every spelling is reduced to its name, then to one fact: whether it swaps the two dims of its input.
+_SWAPS = {"t", "T", "mT", "numpy_T"}  # on a 2-D tensor, a swap of its dims
+_TRANSPOSES = {"transpose", "swapaxes", "swapdims"}  # (a, b): a swap iff a != b
+_LAYOUT_NAMES = _SWAPS | _TRANSPOSES | {"permute", "contiguous"}  # contiguous(): the same values
+_LAYOUT_FUNCTIONS = {
+    function: name
+    for name in _LAYOUT_NAMES
+    for owner in (torch, torch.Tensor)
+    if callable(function := getattr(owner, name, None))
+} | {
+    op: name
+    for name in _LAYOUT_NAMES
+    if (packet := getattr(torch.ops.aten, name, None)) is not None
+    for op in (packet, *(getattr(packet, overload) for overload in packet.overloads()))
+}
+
+
+def _layout_step(node) -> tuple[torch.fx.Node, bool] | None:
+    """``(input, swaps)`` if ``node`` only lays out a 2-D ``input`` again (``_LAYOUT_NAMES``, however
+    it was recorded), ``swaps`` whether it exchanges the two dims."""
+    if not isinstance(node, torch.fx.Node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
-    source = node.args[0]
+    source, rest = node.args[0], list(node.args[1:])
+    name = None
+    if node.op == "call_method" and node.target in _LAYOUT_NAMES:
+        name = node.target
+    elif node.op == "call_function" and node.target is getattr:
+        name, rest = (rest[0] if rest in (["T"], ["mT"]) else None), []
+    elif node.op == "call_function" and isinstance(node.target, Hashable):
+        name = _LAYOUT_FUNCTIONS.get(node.target)
     source_val = val(source)
-    if source_val is None or source_val.dim() != 2:
+    if name is None or source_val is None or source_val.dim() != 2:
         return None
-    target, rest = node.target, tuple(node.args[1:])
-    transposes = (
-        (node.op == "call_method" and target == "t" or target is torch.t)
-        or (node.op == "call_function" and target is getattr and rest in (("T",), ("mT",)))
-        or (target in ("transpose", torch.transpose) and {d % 2 for d in rest} == {0, 1})
-        or (target == "permute" and [d % 2 for d in rest] == [1, 0])
-    )
-    return source if transposes else None
+    if name == "contiguous":
+        return source, False
+    if name in _SWAPS:
+        return (source, True) if not rest and not node.kwargs else None
+    dims = rest + [node.kwargs[k] for k in ("dim0", "dim1", "axis0", "axis1", "dims") if k in node.kwargs]
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = list(dims[0])  # permute((1, 0)), permute(dims=[1, 0])
+    if len(dims) != 2 or not all(type(d) is int and -2 <= d < 2 for d in dims):
+        return None
+    first, second = (d % 2 for d in dims)
+    if name == "permute":
+        return (source, first == 1) if first != second else None
+    return source, first != second
+
+
+def transposed_weight(node) -> torch.fx.Node | None:
+    """A 2-D ``W`` whose dims ``node`` holds swapped, through a chain of layout-only ops however the
+    torch version recorded them: ``W.t()``, ``W.T``, ``W.mT``, ``W.transpose(0, 1)`` (or ``(-1, -2)``,
+    ``swapaxes``, ``swapdims``), ``W.permute(1, 0)``, ``torch.t(W)``, each with ``.contiguous()``
+    before or after it. The deepest such ``W`` (``W.T.T.T``: ``W``; ``W.T.T``: ``W.T``); ``None``
+    where no step of the chain swaps (``W.contiguous()`` is ``W`` itself, not its transpose)."""
+    weight, swapped = None, False
+    while (step := _layout_step(node)) is not None:
+        node, swaps = step
+        swapped ^= swaps
+        weight = node if swapped else weight
+    return weight
 
 
 def as_linear(node: torch.fx.Node):
@@ -103,7 +151,8 @@ def as_linear(node: torch.fx.Node):
         weight = transposed_weight(node.args[1])
         if weight is None:
             raise NoMatch(
-                "the matmul's right operand is not a transposed 2-D weight (W.t() / W.T), "
+                "the matmul's right operand is not a transposed 2-D weight (W.t(), W.T, W.mT, "
+                "W.transpose(0, 1), W.permute(1, 0), contiguous or not), "
                 "so it is not recognised as an LM head"
             )
         return node.args[0], weight, None, node.args[1], "hidden @ W.T"
