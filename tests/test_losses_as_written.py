@@ -11,6 +11,7 @@ from __future__ import annotations
 import losses_as_written as L
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import DEVICES, assert_close_to_oracle
 
 import tile_pass
@@ -84,3 +85,45 @@ def test_loss_as_written_is_tiled_and_exact(name, kind, trainable, device):
         assert_close_to_oracle(out, ref, torch.float32, f"{name} output")
     for grad, ref, what in zip(grads, ref_grads, trainable, strict=True):
         assert_close_to_oracle(grad, ref, torch.float32, f"{name} d{what}")
+
+
+# ------------------------------------------------------------ a graph break between head and loss
+
+
+def _count_with_item(h, w, y):
+    logits = h @ w.t()
+    n = (y != L.IGNORE).sum().item()
+    return F.cross_entropy(logits, y, reduction="sum") / n
+
+
+def _branch_on_value(h, w, y):
+    logits = h @ w.t()
+    if torch.all(y == L.IGNORE):
+        return logits.sum() * 0
+    return F.cross_entropy(logits, y)
+
+
+def _boolean_mask(h, w, y):
+    logits = h @ w.t()
+    keep = y != L.IGNORE
+    return F.cross_entropy(logits[keep], y[keep])
+
+
+@pytest.mark.parametrize(
+    ("fn", "line", "fix"),
+    [
+        (_count_with_item, "n = (y != L.IGNORE).sum().item()", "capture_scalar_outputs = True"),
+        (_branch_on_value, "if torch.all(y == L.IGNORE):", "torch.where"),
+        (_boolean_mask, "return F.cross_entropy(logits[keep], y[keep])", "capture_dynamic_output_shape_ops"),
+    ],
+    ids=["item", "if_on_tensor", "boolean_mask"],
+)
+def test_graph_break_between_head_and_loss_is_named_with_its_fix(fn, line, fix):
+    torch._dynamo.reset()
+    h, w = torch.randn(6, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    y = torch.randint(0, V, (6,))
+    report = tile_pass.explain(fn, h, w, y)
+    reasons = [s.reason for s in report.skipped if "graph break" in s.reason]
+    assert reasons, str(report)
+    assert "Dynamo broke the graph before it at test_losses_as_written.py:" in reasons[0], reasons[0]
+    assert line in reasons[0] and fix in reasons[0], reasons[0]

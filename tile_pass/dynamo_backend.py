@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,8 +18,8 @@ from tile_pass._logging import log
 from tile_pass._options import TileOptions
 from tile_pass._oracle import validating_call
 from tile_pass._returned_logits import rebuild_outputs
-from tile_pass.report import GraphReport, Report
-from tile_pass.rewrite import internal_error, is_region_node, rewrite_graph
+from tile_pass.report import GraphReport, Report, graph_break_hint
+from tile_pass.rewrite import GRAPH_BREAK, internal_error, is_region_node, rewrite_graph
 
 CompilerFn = Callable[[torch.fx.GraphModule, Sequence[Any]], Callable]
 _INNER_NAMES = ("inductor", "aot_eager", "eager")
@@ -88,6 +89,7 @@ class Backend:
         )
         self._inner = _resolve_inner(inner, mode, self.options)
         self._graphs_seen = 0
+        self._last_break: str | None = None  # where Dynamo broke the graph it handed us last, and why
         self.reports: collections.deque[GraphReport] = collections.deque(maxlen=max(1, keep_reports))
 
     def __call__(
@@ -115,6 +117,10 @@ class Backend:
         original = copy.deepcopy(gm) if self.validate else None
         result = rewrite_graph(gm, self.tiling, graph_index=self._graphs_seen)
         report = result.report
+        for skip in report.skipped:  # the logits came from the graph before the break: name the break
+            if skip.reason == GRAPH_BREAK and self._last_break is not None:
+                skip.reason = f"{GRAPH_BREAK}. {self._last_break}"
+        self._last_break = _graph_break_here()
         self._graphs_seen += 1
         self.reports.append(report)
         for decision in [*report.rewrites, *report.skipped]:
@@ -197,6 +203,26 @@ class Backend:
             + (f", options={self.options!r}" if self.options else "")
             + ")"
         )
+
+
+def _graph_break_here() -> str | None:
+    """Where and why Dynamo ended the graph it is handing the backend, if a graph break did:
+    the next graph starts after it, so a loss there whose logits are an input names this."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        reason = InstructionTranslator.current_tx().output.compile_subgraph_reason
+    except Exception:  # not inside Dynamo (a direct call), or another torch's internals
+        return None
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    where = "?"
+    if reason.user_stack:
+        frame = reason.user_stack[-1]
+        where = f"{os.path.basename(frame.filename)}:{frame.lineno} (`{(frame.line or '').strip()}`)"
+    text = f"Dynamo broke the graph before it at {where}: {reason.reason.strip().splitlines()[0]}"
+    hint = graph_break_hint(reason.reason)
+    return f"{text}; fix: {hint}" if hint else text
 
 
 def _summarise_break(reason: str) -> str:

@@ -136,7 +136,7 @@ class Report:
                 lines.append(f"    hint: {_TRL_HINT}")
         for reason in self.graph_breaks:
             lines.append(f"graph break: {reason}")
-            if hint := _graph_break_hint(reason):
+            if hint := graph_break_hint(reason):
                 lines.append(f"    fix: {hint}")
         lines += [f"hint: {hint}" for hint in self.hints]
         return "\n".join(lines)
@@ -156,7 +156,24 @@ _TRL_HINT = (
 )
 
 
-def _graph_break_hint(reason: str) -> str:
+def graph_break_hint(reason: str) -> str:
+    """The fix for a graph break Dynamo reported, where one is known."""
+    if "Tensor.item()" in reason or "capture_scalar_outputs" in reason:
+        return (
+            "set torch._dynamo.config.capture_scalar_outputs = True (the scalar stays a tensor in the "
+            "graph), or keep the count a tensor: divide by (labels != -100).sum() without .item()"
+        )
+    if "generic_jump" in reason or "Data-dependent branching" in reason:
+        return (
+            "a Python `if` on a tensor's value: compute both sides and choose with torch.where (or "
+            "torch.cond), so the head and the loss stay in one graph"
+        )
+    if "Dynamic shape operator" in reason or "nonzero" in reason:
+        return (
+            "boolean-mask indexing (x[mask]) has a data-dependent shape: multiply by the mask (or use "
+            "torch.where / ignore_index labels) instead, or set "
+            "torch._dynamo.config.capture_dynamic_output_shape_ops = True"
+        )
     if "loss_type=" in reason:
         return (
             'transformers logs from its loss_function property; set model.loss_type = "ForCausalLM" '

@@ -138,7 +138,7 @@ def _rewrite_regions(gm, graph_index: int, options: TileOptions, region: list) -
     return result
 
 
-_GRAPH_BREAK = (
+GRAPH_BREAK = (
     "the logits are an input of this graph: a graph break separates the LM head from "
     "the loss, so the pass sees only one half. Find the break with "
     'TORCH_LOGS="graph_breaks" and remove it (e.g. a print or logging call between '
@@ -156,7 +156,7 @@ def _why_untiled(loss: torch.fx.Node) -> str:
         if not isinstance(node, torch.fx.Node):
             return "the loss input is not computed in this graph"
         if node.op == "placeholder":
-            return _GRAPH_BREAK
+            return GRAPH_BREAK
         try:
             if as_linear(node) is not None:
                 break
