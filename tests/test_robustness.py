@@ -129,7 +129,7 @@ CASES = [
     Case(
         "labels float (class indices as float)",
         base(y=base()["y"].float()),
-        Raises(TypeError, "class indices"),
+        Raises(RuntimeError, "expected target dtype to be Long"),
         Raises(RuntimeError, "Expected dtype int32/int64 for index"),  # Dynamo's fake run
         None,
         Raises(RuntimeError, "expected target dtype to be Long"),
@@ -137,7 +137,7 @@ CASES = [
     Case(
         "hidden H != weight H",
         base(h=torch.randn(N, H + 1)),
-        Raises(ValueError, "last dimension"),
+        Raises(RuntimeError, "cannot be multiplied"),
         Raises(RuntimeError, "must have same reduction dim"),
         None,
         Raises(RuntimeError, "cannot be multiplied"),
@@ -145,7 +145,7 @@ CASES = [
     Case(
         "bias of the wrong length",
         base(b=torch.randn(V + 1)),
-        Raises(ValueError, "bias must have shape"),
+        Raises(RuntimeError, "must match the existing size"),
         Raises(RuntimeError, "broadcast"),
         None,
         Raises(RuntimeError, "must match the existing size"),
@@ -161,7 +161,7 @@ CASES = [
     Case(
         "weight 1-D",
         base(w=torch.randn(H)),
-        Raises(ValueError, "weight must be 2-D"),
+        Raises(RuntimeError, "Expected floating point type for target"),  # eager's [N] "logits"
         Raises(RuntimeError, "is invalid for input of size"),
         None,
         Raises(RuntimeError, "is invalid for input of size"),
@@ -190,7 +190,7 @@ CASES = [
     Case(
         "weight bfloat16, hidden float32",
         base(w=base()["w"].bfloat16()),
-        Raises(TypeError, "share one dtype"),
+        Raises(RuntimeError, "same dtype"),
         Raises(RuntimeError, "same dtype"),
         False,
         Raises(RuntimeError, "same dtype"),
@@ -198,7 +198,7 @@ CASES = [
     Case(
         "bias float64, hidden and weight float32",
         base(b=torch.randn(V, dtype=torch.float64)),
-        Raises(TypeError, "share one dtype"),
+        Raises(RuntimeError, "dtype"),
         Raises(RuntimeError, "dtype"),
         False,
         Raises(RuntimeError, "dtype"),
@@ -206,7 +206,7 @@ CASES = [
     Case(
         "reduction='avg'",
         base(reduction="avg"),
-        Raises(ValueError, "reduction must be one of"),
+        Raises(ValueError, "not a valid value for reduction"),
         Raises(RuntimeError, "not a valid value for reduction"),  # Dynamo's fake run, before the pass
         None,
         Raises(ValueError, "not a valid value for reduction"),

@@ -56,6 +56,8 @@ class Options(NamedTuple):
     #: a vocabulary-sharded head: ``(process group name, this rank's first row, its rows)``
     #: (``tile_pass._distributed.local_head``); ``vocab_size`` is then the whole head's
     vocab_shard: tuple[str, int, int] | None = None
+    #: class probabilities of another dtype than the loss's (eager promotes the loss to theirs)
+    target_dtype: torch.dtype | None = None
 
 
 def _textbook_code(options: Options):
@@ -110,7 +112,9 @@ def _examples(options: Options, mode: FakeTensorMode) -> list:
         if options.has_bias:
             examples.append(torch.empty(vocab, dtype=options.dtype, device=device, requires_grad=True))
         if options.soft_targets:
-            examples.append(torch.empty(tokens, vocab, dtype=loss_dtype, device=device))
+            examples.append(
+                torch.empty(tokens, vocab, dtype=options.target_dtype or loss_dtype, device=device)
+            )
         else:
             examples.append(torch.zeros(tokens, dtype=torch.long, device=device))
         if options.class_weights:

@@ -13,11 +13,30 @@ from __future__ import annotations
 import operator
 
 import torch
+import torch.nn.functional as F
 
 from tile_pass import _textbook
 from tile_pass._fx import autocast_dtype
 
 _REDUCTIONS = ("mean", "sum", "none")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class _ClassWeightsError(TypeError, RuntimeError):
+    """A 2-D ``weight=`` (the LM head under its old name): eager's ``RuntimeError`` (and the
+    ``TypeError`` tile_pass raised before), naming the fix."""
+
+
+def _class_weights_hint(weight: torch.Tensor) -> str:
+    return (
+        f"weight= is the class weights, a 1-D [V] tensor, as in torch's F.linear_cross_entropy and "
+        f"F.cross_entropy; got shape {tuple(weight.shape)}. Pass the LM-head matrix [V, H] as the second "
+        "positional argument (linear_weight=)."
+    )
+
+
+#: torch's ``F.linear_cross_entropy`` own check (``F.cross_entropy`` has no "unset" ignore_index)
+_IGNORE_WITH_PROBABILITIES = "ignore_index cannot be specified when target contains probabilities"
 
 
 # ------------------------------------------------------------------------- public API
@@ -72,43 +91,47 @@ def linear_cross_entropy(
         from tile_pass._distributed import local_head
 
         hidden, linear_weight, target, vocab_shard = local_head(hidden, linear_weight, target, bias, weight)
+    else:  # eager's own checks, in eager's order, with its exception and message (before any tile)
+        checked = hidden, linear_weight, bias, target, weight, reduction, ignore_index, label_smoothing
+        if _departs(*checked, upcast):
+            try:
+                _raise_as_eager(*checked, upcast)
+            except RuntimeError as error:
+                if weight is None or weight.shape != linear_weight.shape or "weight tensor" not in str(error):
+                    raise
+                raise _ClassWeightsError(f"{error}. {_class_weights_hint(weight)}") from error
+    # what eager accepts and the tiles do not, or a sharded head's input
     if weight is not None and weight.dim() != 1:
-        raise TypeError(
-            f"weight= is the class weights, a 1-D [V] tensor, as in torch's F.linear_cross_entropy and "
-            f"F.cross_entropy; got shape {tuple(weight.shape)}. Pass the LM-head matrix [V, H] as the second "
-            "positional argument (linear_weight=)."
-        )
+        raise _ClassWeightsError(_class_weights_hint(weight))
     if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    if not label_smoothing <= 1.0:
+        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+    if label_smoothing < 0.0:  # eager takes it (torch checks <= 1 only); the tiles' rule does not
+        raise ValueError(f"tile_pass: a negative label_smoothing ({label_smoothing}) is not tiled")
     if len(head_shape) != 2:
-        raise ValueError(f"linear_weight must be 2-D [V, H], got shape {tuple(head_shape)}")
+        raise ValueError(f"tile_pass: linear_weight must be 2-D [V, H], got shape {tuple(head_shape)}")
     vocab_size, hidden_size = head_shape
     if hidden.dim() < 1 or hidden.shape[-1] != hidden_size:
         raise ValueError(
             f"input's last dimension must equal linear_weight.shape[1] = {hidden_size}, "
             f"got input of shape {tuple(hidden.shape)}"
         )
-    if bias is not None and tuple(bias.shape) != (vocab_size,):
-        raise ValueError(f"linear_bias must have shape ({vocab_size},), got {tuple(bias.shape)}")
+    if bias is not None and tuple(bias.shape) != (vocab_size,):  # as torch's F.linear_cross_entropy
+        raise RuntimeError(f"expected linear_bias shape ({vocab_size},), got {tuple(bias.shape)}")
     if weight is not None and tuple(weight.shape) != (vocab_size,):
         raise RuntimeError(
             f"weight tensor should be defined either for all {vocab_size} classes or no classes"
         )
-    soft_targets = target.is_floating_point() and tuple(target.shape) == (*hidden.shape[:-1], vocab_size)
+    soft_targets = _soft(target, hidden, vocab_size)
     if soft_targets and ignore_index is not None:
-        raise RuntimeError("ignore_index cannot be specified when target contains probabilities")
+        raise RuntimeError(_IGNORE_WITH_PROBABILITIES)
     ignore_index = -100 if ignore_index is None else ignore_index
     if not soft_targets:
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        if not _is_int(ignore_index):
             raise TypeError(f"ignore_index must be int, not {type(ignore_index).__name__}")
-        if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-            raise TypeError(
-                f"target must hold integer class indices, or class probabilities of shape "
-                f"input.shape[:-1] + (V,) = {(*hidden.shape[:-1], vocab_size)}; got dtype {target.dtype} "
-                f"and shape {tuple(target.shape)}"
-            )
+        if target.dtype not in (torch.long, torch.uint8):
+            raise RuntimeError(f"expected target dtype to be Long or Byte, but got {target.dtype}")
         if target.dim() > 1 and tuple(target.shape) != tuple(hidden.shape[:-1]):
             raise ValueError(
                 f"target must have shape input.shape[:-1] = {tuple(hidden.shape[:-1])} (one class index per "
@@ -120,25 +143,20 @@ def linear_cross_entropy(
     target = target.reshape(-1, vocab_size) if soft_targets else target.reshape(-1)
     if target.shape[0] != hidden.shape[0]:
         raise ValueError(
-            f"Expected input batch_size ({hidden.shape[0]}) to match target batch_size ({target.shape[0]})"
+            f"Expected input batch_size ({hidden.shape[0]}) to match target batch_size ({target.shape[0]})."
         )
     dtype = autocast_dtype(hidden.device.type)
     if dtype is not None:  # autocast's rule for F.linear
         hidden, linear_weight = hidden.to(dtype), linear_weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     if not (hidden.dtype == linear_weight.dtype and (bias is None or bias.dtype == hidden.dtype)):
-        raise TypeError(
+        raise RuntimeError(
             "input, linear_weight and linear_bias must share one dtype, as F.linear requires; got "
             f"{hidden.dtype}, {linear_weight.dtype}, {None if bias is None else bias.dtype}"
         )
-    upcast = bool(upcast) and hidden.dtype in (torch.float16, torch.bfloat16)
+    upcast = bool(upcast) and hidden.dtype in _HALF
     loss_dtype = torch.float32 if upcast else hidden.dtype
-    if soft_targets and target.dtype != loss_dtype:
-        raise RuntimeError(
-            f"class-probability targets must have the loss's dtype {loss_dtype} (the logits' dtype "
-            f"after the upcast), got {target.dtype}"
-        )
-    if weight is not None and weight.dtype != loss_dtype:
+    if weight is not None and weight.dtype != loss_dtype:  # eager accepted it: autocast's cast
         weight = weight.to(loss_dtype)
     if target.dtype == torch.uint8:  # eager accepts Byte class indices; the tile's gather does not
         target = target.long()
@@ -156,6 +174,7 @@ def linear_cross_entropy(
         device=str(hidden.device),
         has_bias=bias is not None, class_weights=weight is not None, soft_targets=soft_targets,
         upcast=upcast, logit_scale=_constant_float(logit_scale), softcap=_constant_float(softcap),
+        target_dtype=target.dtype if soft_targets and target.dtype != loss_dtype else None,
         ignore_index=operator.index(ignore_index), label_smoothing=_constant_float(label_smoothing),
         reduction=reduction, tile_tokens=_constant_int(tile_tokens), tile_bytes=_constant_int(tile_bytes),
         compile_tiles=bool(compile_tiles),
@@ -163,6 +182,101 @@ def linear_cross_entropy(
     )  # fmt: skip
     loss = _textbook.run(options, hidden, linear_weight, bias, target, weight)
     return loss.view(target_shape) if reduction == "none" else loss
+
+
+def _soft(target: torch.Tensor, hidden: torch.Tensor, vocab_size) -> bool:
+    """Whether ``target`` holds class probabilities: floating, of the logits' shape (as torch decides)."""
+    return target.is_floating_point() and tuple(target.shape) == (*hidden.shape[:-1], vocab_size)
+
+
+def _linear_fits(hidden, linear_weight, bias) -> bool:
+    """Whether ``F.linear(hidden, linear_weight, bias)`` takes these as they are (a 2-D weight)."""
+    if hidden.dim() < 1 or linear_weight.dim() != 2 or hidden.shape[-1] != linear_weight.shape[1]:
+        return False
+    if bias is not None and tuple(bias.shape) != (linear_weight.shape[0],):
+        return False
+    if any(t is not None and t.device != hidden.device for t in (linear_weight, bias)):
+        return False
+    return autocast_dtype(hidden.device.type) is not None or all(
+        t is None or t.dtype == hidden.dtype for t in (linear_weight, bias)
+    )
+
+
+def _loss_dtype(hidden: torch.Tensor, upcast) -> torch.dtype:
+    """The logits' dtype the loss sees: autocast's or the input's, float32 for half where ``upcast``."""
+    dtype = autocast_dtype(hidden.device.type) or hidden.dtype
+    return torch.float32 if upcast and dtype in _HALF else dtype
+
+
+def _departs(
+    hidden, linear_weight, bias, target, weight, reduction, ignore_index, label_smoothing, upcast
+) -> bool:
+    """Whether the arguments depart from what the tiles take as they are (Python checks of
+    shapes, dtypes, devices and options only): then :func:`_raise_as_eager` runs eager's own."""
+    if not _linear_fits(hidden, linear_weight, bias):
+        return True
+    vocab = linear_weight.shape[0]
+    if any(t is not None and t.device != hidden.device for t in (target, weight)):
+        return True
+    if reduction not in _REDUCTIONS or not _is_int(ignore_index if ignore_index is not None else 0):
+        return True
+    number = isinstance(label_smoothing, (int, float, torch.SymInt, torch.SymFloat))
+    if not number or not 0 <= label_smoothing <= 1:
+        return True
+    if _soft(target, hidden, vocab):
+        if ignore_index is not None:
+            return True
+    elif target.dtype not in (torch.long, torch.uint8) or tuple(target.shape) != tuple(hidden.shape[:-1]):
+        return True
+    if weight is None:
+        return False
+    return tuple(weight.shape) != (vocab,) or weight.dtype != _loss_dtype(hidden, upcast)
+
+
+def _raise_as_eager(
+    hidden, linear_weight, bias, target, weight, reduction, ignore_index, label_smoothing, upcast
+) -> None:
+    """Raises what eager raises on these arguments, if it does: ``F.cross_entropy(F.linear(input,
+    linear_weight, linear_bias).float(), target, ...)`` (``.float()`` on half logits where
+    ``upcast``), with torch's ``F.linear_cross_entropy``'s own ignore_index check; its exception
+    type and message, in its order, before any tile runs.
+
+    ``F.linear`` runs on the arguments themselves only where they do not fit together (eager
+    raises before computing; a 1-D weight's ``[N]`` "logits" are cheap), and the loss on a
+    zero-stride stand-in for the logits, of their device and dtype, under the caller's autocast:
+    with the batch's rows only where a shape depends on them (eager's own path, which also
+    computes the logits, needs more memory than that), else with one row."""
+    with torch.no_grad():
+        if not _linear_fits(hidden, linear_weight, bias):
+            logits = F.linear(hidden, linear_weight, bias)  # eager's error, or odd "logits" (a 1-D weight's)
+            logits = logits.float() if upcast and logits.dtype in _HALF else logits
+        else:
+            vocab = linear_weight.shape[0]
+            shape = (*hidden.shape[:-1], vocab)
+            soft = _soft(target, hidden, vocab)
+            if soft and ignore_index is not None:
+                raise RuntimeError(_IGNORE_WITH_PROBABILITIES)
+            rows_fit = soft or tuple(target.shape) == shape[:-1]
+            if hidden.dim() > 2:  # tile_pass's [..., H]: eager's loss of the flat tokens
+                if not rows_fit:
+                    return  # the function's own shape error
+                target = target.reshape(-1, vocab) if soft else target.reshape(-1)
+                shape = (target.shape[0], vocab)
+            if len(shape) == 2 and rows_fit and (weight is None or tuple(weight.shape) == (vocab,)):
+                shape, target = (min(shape[0], 1), vocab), target[:1]  # nothing depends on the rows: one
+            logits = torch.empty((), dtype=_loss_dtype(hidden, upcast), device=hidden.device).expand(shape)
+        F.cross_entropy(
+            logits,
+            target,
+            weight=weight,
+            reduction=reduction,
+            ignore_index=-100 if ignore_index is None else ignore_index,
+            label_smoothing=label_smoothing,
+        )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
 
 
 def _constant_int(value: int | None) -> int | None:
