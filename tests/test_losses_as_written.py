@@ -127,3 +127,79 @@ def test_graph_break_between_head_and_loss_is_named_with_its_fix(fn, line, fix):
     assert reasons, str(report)
     assert "Dynamo broke the graph before it at test_losses_as_written.py:" in reasons[0], reasons[0]
     assert line in reasons[0] and fix in reasons[0], reasons[0]
+
+
+# ------------------------------------------------------------ learnable tensors inside the region
+
+
+def _logit_scale(h, w, extra, y):  # a learnable temperature, as CLIP-style heads learn one
+    logits = (h @ w.t()).float() * extra.exp()
+    return F.cross_entropy(logits.view(-1, V), y.view(-1), ignore_index=L.IGNORE)
+
+
+def _class_offset_after_cast(h, w, extra, y):  # a [V] offset after the upcast: not the linear's bias
+    logits = F.linear(h, w).float() / 2.0 + extra
+    return F.cross_entropy(logits.view(-1, V), y.view(-1), ignore_index=L.IGNORE, reduction="sum")
+
+
+def _offset_per_token_outputs(h, w, extra, y):  # outputs per token, reduced nonlinearly: vjp path
+    logits = F.linear(h, w) + extra.view(1, 1, V) * 0.5
+    logp = logits.log_softmax(-1).gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return ((logp * (y != L.IGNORE)).sum(-1) ** 2).mean()
+
+
+def _learnable_soft_targets(h, w, extra, y):  # class probabilities that require grad
+    return F.cross_entropy(F.linear(h, w).view(-1, V), extra.softmax(-1).view(-1, V))
+
+
+def _learnable_mask(h, w, extra, y):  # a per-token weight that requires grad: no token is skipped for it
+    nll = F.cross_entropy(F.linear(h, w).view(-1, V), y.view(-1), ignore_index=L.IGNORE, reduction="none")
+    return (nll * extra.view(-1)).sum() / 3.0
+
+
+LEARNABLE = [
+    (_logit_scale, lambda g: torch.tensor(0.3)),
+    (_class_offset_after_cast, lambda g: torch.randn(V, generator=g)),
+    (_offset_per_token_outputs, lambda g: torch.randn(V, generator=g)),
+    (_learnable_soft_targets, lambda g: torch.randn(B2, T, V, generator=g)),
+    (_learnable_mask, lambda g: (torch.rand(B2, T, generator=g) > 0.5).float()),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("fn", "make"), LEARNABLE, ids=[f.__name__.strip("_") for f, _ in LEARNABLE])
+def test_learnable_tensor_in_the_region_is_differentiated(fn, make, device):
+    tensors, y, _, _ = _data(device)
+    extra = make(torch.Generator().manual_seed(5)).to(device)
+    torch._dynamo.reset()
+    backend = tile_pass.backend("aot_eager", tile_tokens=TILE, strict=True)
+    compiled = torch.compile(fn, backend=backend)
+
+    def run(f, dtype):
+        leaves = [t.to(dtype).detach().requires_grad_() for t in (tensors["x"], tensors["w"], extra)]
+        out = f(*leaves, y)
+        return out.detach(), torch.autograd.grad(out * 1.7, leaves)
+
+    out, grads = run(compiled, torch.float32)
+    report = backend.report()
+    assert len(report.rewrites) == 1 and not report.skipped, str(report)
+    ref, ref_grads = run(fn, torch.float64)
+    assert_close_to_oracle(out, ref, torch.float32, "loss")
+    for grad, ref_grad, what in zip(grads, ref_grads, ("hidden", "weight", "learnable"), strict=True):
+        assert grad.dtype == torch.float32
+        assert_close_to_oracle(grad, ref_grad, torch.float32, f"d{what}")
+
+
+def test_a_learnable_tensor_under_no_grad_is_a_constant():
+    tensors, y, _, _ = _data("cpu")
+    scale = torch.tensor(0.3, requires_grad=True)
+
+    def reference_model(h, w, s, y):
+        with torch.no_grad():
+            logits = (h @ w.t()) * s + s
+            return F.cross_entropy(logits.view(-1, V), y.view(-1), ignore_index=L.IGNORE)
+
+    torch._dynamo.reset()
+    report = tile_pass.explain(reference_model, tensors["x"], tensors["w"].requires_grad_(), scale, y)
+    assert len(report.rewrites) == 1 and not report.skipped, str(report)
+    assert "requires grad" not in str(report)

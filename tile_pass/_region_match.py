@@ -426,9 +426,9 @@ class RegionMatcher:
         return self.side_input(arg, value, out, node)
 
     def side_input(self, arg, value: torch.Tensor, out: Shape, node) -> Ref:
-        if value.requires_grad and getattr(val(node), "requires_grad", True):  # (under no_grad: a constant)
-            raise NoMatch("{} uses {}, which requires grad; a learnable tensor inside the region is not "
-                          "tiled yet", node, arg)  # fmt: skip
+        if value.requires_grad and self.shard is not None and getattr(val(node), "requires_grad", True):
+            raise NoMatch("{} uses {}, which requires grad; a learnable tensor is not tiled in "
+                          "tensor-parallel form yet", node, arg)  # fmt: skip
         out_part = _region.row_part(out.layout, self.vocab)
         out_shape = (*out.tokens, *out_part)
         if value.dim() > len(out_shape):
@@ -679,7 +679,11 @@ class RegionMatcher:
         self.step_shapes.append(entry.shape)
         self.step_kinds.append(kind or _rules.rule_for(node).kind)
         self.values[node] = (index, entry.shape)
-        per_token = frozenset(i for i, t in enumerate(self.token_inputs) if t.part in ((), (1,)))
+        # a per-token input that is differentiated is no zero condition: d(mask * x)/d mask is x
+        per_token = frozenset(
+            i for i, t in enumerate(self.token_inputs)
+            if t.part in ((), (1,)) and not getattr(val(t.node), "requires_grad", False)
+        )  # fmt: skip
         self.zeros[index] = _region.zero_where(step, self.zeros, per_token)
         if entry.after_tiles is not None:
             self.after[node] = (entry.after_tiles, entry.shape)
@@ -917,6 +921,7 @@ def _build_region(matcher: RegionMatcher, outputs: list[RegionOutput]) -> RowReg
         steps = tuple(_shard_program_steps(matcher))
         vocab_size = matcher.shard[2]
         shard = (matcher.shard[0], matcher.shard[1], int(matcher.vocab))
+
     def token_layout(part: tuple) -> Layout:  # (a partner head's hidden size may be symbolic: no hashing)
         if not part:
             return Layout.TOKENS

@@ -64,6 +64,10 @@ class TileKernelKey:
     compiled: bool = False
     onednn: bool = False
     weight_grad: WeightGradSchedule = WeightGradSchedule.FLOAT32
+    #: per row input / per-token input: differentiated too (a learnable logit scale, a [V] offset,
+    #: class weights, class-probability targets); row gradients are summed over the tiles
+    need_rows: tuple[bool, ...] = ()
+    need_tokens: tuple[bool, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +93,7 @@ class TileInputs(NamedTuple):
     tangents: tuple[Input, ...]  # one per ``TileKernelKey.tangents``
     weight_grad_sum: tuple[Input, ...]  # FLOAT32: the sum; SPLIT: its two planes; DIRECT: none
     bias_grad_sum: Input | None
+    row_grad_sums: tuple[Input, ...] = ()  # one per differentiated row input, in the accumulation dtype
 
     def flat(self) -> list[Input]:
         return [leaf for leaf in pytree.tree_leaves(self) if leaf is not None]

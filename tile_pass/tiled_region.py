@@ -71,6 +71,13 @@ def _input_spec(key: TileKernelKey, program: RowProgram) -> TileInputs:
             TensorSpec((V, H), d) for d in sum_dtypes.get(key.weight_grad, ()) if key.need_weight
         ),
         bias_grad_sum=TensorSpec((V,), key.acc_dtype) if key.need_bias else None,
+        row_grad_sums=tuple(
+            TensorSpec(shape, key.acc_dtype)
+            for (shape, _), need in zip(
+                key.row_inputs, key.need_rows or (False,) * len(key.row_inputs), strict=True
+            )
+            if need
+        ),
     )
 
 
@@ -80,14 +87,17 @@ def _joint(key: TileKernelKey, program: RowProgram):
     (the weight's returned under the ``DIRECT`` schedule)."""
     schedule = key.weight_grad if key.need_weight else None
 
+    need_rows = key.need_rows or (False,) * len(key.row_inputs)
+    need_tokens = key.need_tokens or (False,) * len(key.token_inputs)
+
     def joint(inputs: TileInputs):
         with torch.enable_grad():
-            (hidden, weight, bias), wanted = differentiable(
-                (inputs.hidden, inputs.weight, inputs.bias), (key.need_hidden, key.need_weight, key.need_bias)
+            (hidden, weight, bias, *rest), wanted = differentiable(
+                (inputs.hidden, inputs.weight, inputs.bias, *inputs.row_inputs, *inputs.token_inputs),
+                (key.need_hidden, key.need_weight, key.need_bias, *need_rows, *need_tokens),
             )
-            outputs = _region.run_program(
-                program, hidden, weight, bias, list(inputs.token_inputs), list(inputs.row_inputs)
-            )
+            row_inputs, token_inputs = rest[: len(need_rows)], rest[len(need_rows) :]
+            outputs = _region.run_program(program, hidden, weight, bias, token_inputs, row_inputs)
             grads = [None] * len(wanted)
             if wanted and key.tangents:
                 grads = torch.autograd.grad(
@@ -102,8 +112,11 @@ def _joint(key: TileKernelKey, program: RowProgram):
             inputs.weight_grad_sum[0].add_(grad_weight)
         if key.need_bias:
             inputs.bias_grad_sum.add_(grads.pop(0))
+        for row_sum in inputs.row_grad_sums:
+            row_sum.add_(grads.pop(0))
         result = [out.detach() for out in outputs]
         result += [grad_hidden] if grad_hidden is not None else []
+        result += grads  # the per-token inputs' gradients, this tile's rows
         return (*result, grad_weight) if schedule is WeightGradSchedule.DIRECT else tuple(result)
 
     return joint
@@ -183,15 +196,18 @@ def _run_tiles(
     tangents: dict[int, torch.Tensor],
     tile_size: TileSize,
     compile_tiles: bool,
-    need: tuple[bool, bool, bool],
+    need: tuple[bool, ...],
     keep_outputs: bool = True,
     rows: torch.Tensor | None = None,
 ):
-    """Every tile once; returns (outputs, grad hidden, grad weight, grad bias): each output
-    flat over the tokens, the gradients of ``sum(tangent * output)`` (or ``None``). With
-    ``rows`` (see :func:`_skipped_rows`) only those tokens run, each tile gathering its rows;
-    the others' outputs and hidden gradient are zero."""
-    need_hidden, need_weight, need_bias = need
+    """Every tile once; returns (outputs, grad hidden, grad weight, grad bias, row input grads,
+    token input grads): each output flat over the tokens, the gradients of
+    ``sum(tangent * output)`` (or ``None``). ``need``: hidden, weight, bias, then one flag per row
+    input and per token input. With ``rows`` (see :func:`_skipped_rows`) only those tokens run,
+    each tile gathering its rows; the others' outputs and per-token gradients are zero."""
+    need_hidden, need_weight, need_bias = need[:3]
+    need_rows = tuple(need[3 : 3 + len(row_inputs)]) or (False,) * len(row_inputs)
+    need_tokens = tuple(need[3 + len(row_inputs) :]) or (False,) * len(token_inputs)
     # the traced tiles assume contiguous slices; a derived token weight can be a broadcast scalar
     tangents = {i: t.contiguous() for i, t in tangents.items()}
     token_inputs = [t.contiguous() for t in token_inputs]
@@ -222,6 +238,8 @@ def _run_tiles(
         compiled=compile_tiles,
         onednn=onednn_gemms_apply(hidden.device),
         weight_grad=schedule,
+        need_rows=need_rows if any(need_rows) else (),
+        need_tokens=need_tokens if any(need_tokens) else (),
     )
     split = schedule is WeightGradSchedule.SPLIT
     direct = need_weight and schedule is WeightGradSchedule.DIRECT
@@ -242,6 +260,11 @@ def _run_tiles(
     elif need_weight:
         weight_grad_sum = (_tile_buffers.zeros(weight.shape, acc, weight.device),)
     bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
+    row_sums = [r.new_zeros(r.shape, dtype=acc) for r, n in zip(row_inputs, need_rows, strict=True) if n]
+    token_grads = [
+        _tile_buffers.zeros(t.shape, t.dtype, t.device) if n else None
+        for t, n in zip(token_inputs, need_tokens, strict=True)
+    ]
     for start in range(0, num_tokens, tile):
         stop = min(start + tile, num_tokens)
         count = stop - start
@@ -266,6 +289,7 @@ def _run_tiles(
             tangents=tuple(tile_of(tangents[i], zeros=True) for i in key.tangents),
             weight_grad_sum=weight_grad_sum,
             bias_grad_sum=bias_acc,
+            row_grad_sums=tuple(row_sums),
         )
         last = split and stop == num_tokens  # the last add of a split sum rounds it
         with _weight_grad.last_add(weight_grad_sum[0]) if last else contextlib.nullcontext():
@@ -286,6 +310,13 @@ def _run_tiles(
                 grad_hidden[start:stop] = grad[:count]
             else:
                 grad_hidden.index_copy_(0, picked, grad[:count])
+        token_results = iter(result[len(program.outputs) + need_hidden :])
+        for grad_sum in (g for g in token_grads if g is not None):
+            grad = next(token_results)
+            if picked is None:
+                grad_sum[start:stop] = grad[:count]
+            else:
+                grad_sum.index_copy_(0, picked, grad[:count])
         del inputs, result  # a tile's gathered rows go before the next tile's are made
     if split:  # rounded once into the weight dtype, over the high plane
         grad_weight = finish_split(*_weight_grad.settle(*weight_grad_sum), weight.dtype, compile_tiles)
@@ -296,7 +327,9 @@ def _run_tiles(
     if need_hidden and program.shard is not None:  # each rank holds its shard's share
         group = torch.distributed.distributed_c10d._resolve_process_group(program.shard[0])
         torch.distributed.all_reduce(grad_hidden, group=group)
-    return outputs, grad_hidden, grad_weight, bias_acc
+    row_results = iter(row_sums)
+    row_grads = [next(row_results) if n else None for n in need_rows]
+    return outputs, grad_hidden, grad_weight, bias_acc, row_grads, token_grads
 
 
 def _tile_of(t: torch.Tensor, start: int, stop: int, size: int, zeros: bool = False) -> torch.Tensor:
@@ -354,6 +387,23 @@ def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
 # ------------------------------------------------------------------------- scalar loss
 
 
+def _input_grads_or_empty(inputs, grads, weight):
+    """The row or token inputs' gradients as an op returns them, in their dtypes (a row input's
+    is summed over the tiles in float32, or float64); empty where not needed."""
+    return [
+        g.to(t.dtype) if g is not None else weight.new_empty((0,)) for t, g in zip(inputs, grads, strict=True)
+    ]
+
+
+def _fake_input_grads(inputs, needs, weight):
+    return [t.new_empty(t.shape) if n else weight.new_empty((0,)) for t, n in zip(inputs, needs, strict=True)]
+
+
+def _needs(need, inputs) -> list[bool]:
+    """A custom op's list flag, one per input (an empty list: none is differentiated)."""
+    return list(need) if need else [False] * len(inputs)
+
+
 @torch.library.custom_op("tile_pass::row_region_loss", mutates_args=())
 def _row_region_loss(
     hidden: torch.Tensor,
@@ -370,46 +420,61 @@ def _row_region_loss(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
+    need_rows: list[bool],
+    need_tokens: list[bool],
 ) -> list[torch.Tensor]:
-    """``[loss, grad hidden, grad weight, grad bias, *outputs]``: the gradients of the loss at
-    unit upstream gradient (empty where not needed), the outputs flat over the tokens."""
+    """``[loss, grad hidden, grad weight, grad bias, *grad row inputs, *grad token inputs,
+    *outputs]``: the gradients of the loss at unit upstream gradient (empty where not needed),
+    the outputs flat over the tokens."""
     region = _region.lookup(program)
     _check_indices(region, token_inputs)
+    need_rows, need_tokens = _needs(need_rows, row_inputs), _needs(need_tokens, token_inputs)
     # the token weights: d loss / d output, independent of the outputs (a linear reduction)
     tangents = token_weights(region, _zero_outputs(region, hidden), reduce_inputs)
     rows = _skipped_rows(region, token_inputs, hidden, tangents, values=True)
-    outputs, *grads = _run_tiles(
+    outputs, *grads, row_grads, token_grads = _run_tiles(
         region, hidden, weight, bias, token_inputs, row_inputs, tangents, TileSize(tile_tokens, auto_tile),
-        compile_tiles, (need_hidden, need_weight, need_bias), rows=rows,
+        compile_tiles, (need_hidden, need_weight, need_bias, *need_rows, *need_tokens), rows=rows,
     )  # fmt: skip
     with _region.dispatch_as_caller():
         loss = _region.run_reduction(region.reduction, outputs, reduce_inputs, hidden.device.type)
-    return [loss, *_grads_or_empty(hidden, weight, bias, *grads), *outputs]
+    return [loss, *_grads_or_empty(hidden, weight, bias, *grads),
+            *_input_grads_or_empty(row_inputs, row_grads, weight),
+            *_input_grads_or_empty(token_inputs, token_grads, weight), *outputs]  # fmt: skip
 
 
 @_row_region_loss.register_fake
 def _(hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, *, program, tile_tokens, auto_tile,
-      compile_tiles, need_hidden, need_weight, need_bias):  # fmt: skip
+      compile_tiles, need_hidden, need_weight, need_bias, need_rows, need_tokens):  # fmt: skip
     region = _region.lookup(program)
     loss = hidden.new_empty((), dtype=region.reduction.dtype)
     return [loss, *_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias),
+            *_fake_input_grads(row_inputs, _needs(need_rows, row_inputs), weight),
+            *_fake_input_grads(token_inputs, _needs(need_tokens, token_inputs), weight),
             *_fake_outputs(region, hidden)]  # fmt: skip
 
 
 def _loss_setup_context(ctx, inputs, keyword_only_inputs, output):
-    ctx.need = (keyword_only_inputs["need_hidden"], keyword_only_inputs["need_weight"],
-                keyword_only_inputs["need_bias"])  # fmt: skip
+    options = keyword_only_inputs
+    token_inputs, row_inputs = inputs[3], inputs[4]
+    ctx.need = (options["need_hidden"], options["need_weight"], options["need_bias"],
+                *_needs(options["need_rows"], row_inputs),
+                *_needs(options["need_tokens"], token_inputs))  # fmt: skip
     ctx.counts = tuple(len(inputs[i]) for i in (3, 4, 5))
-    ctx.save_for_backward(*output[1:4], *anchors(*inputs[:3]))
-    ctx.mark_non_differentiable(*output[4:])
+    saved = len(ctx.need)
+    ctx.save_for_backward(*output[1 : 1 + saved], *anchors(*inputs[:3], *row_inputs, *token_inputs))
+    ctx.mark_non_differentiable(*output[1 + saved :])
 
 
 def _loss_vjp(ctx, grads):
     # Glue, not a gradient formula: the gradients were derived in forward at unit upstream
     # gradient; the loss is a scalar, so the chain rule scales them by the incoming gradient.
     saved = ctx.saved_tensors
-    scaled = scaled_by_upstream(saved[:3], grads[0], ctx.need, saved[3:])
-    return (*scaled, *([None] * count for count in ctx.counts))
+    count = len(ctx.need)
+    scaled = scaled_by_upstream(saved[:count], grads[0], ctx.need, saved[count:])
+    tokens, rows, reduce = ctx.counts
+    row_grads, token_grads = scaled[3 : 3 + rows], scaled[3 + rows :]
+    return (*scaled[:3], list(token_grads), list(row_grads), [None] * reduce)
 
 
 _row_region_loss.register_autograd(_loss_vjp, setup_context=_loss_setup_context)
@@ -463,23 +528,32 @@ def _row_region_backward(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
+    need_rows: list[bool],
+    need_tokens: list[bool],
 ) -> list[torch.Tensor]:
-    """The vector-Jacobian product for the differentiable outputs' ``tangents`` (in order)."""
+    """The vector-Jacobian product for the differentiable outputs' ``tangents`` (in order):
+    ``[grad hidden, grad weight, grad bias, *grad row inputs, *grad token inputs]``."""
     region = _region.lookup(program)
+    need_rows, need_tokens = _needs(need_rows, row_inputs), _needs(need_tokens, token_inputs)
     diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
     tangents = dict(zip(diff, tangents, strict=True))
     rows = _skipped_rows(region, token_inputs, hidden, tangents, values=False)
-    _, *grads = _run_tiles(
+    _, *grads, row_grads, token_grads = _run_tiles(
         region, hidden, weight, bias, token_inputs, row_inputs, tangents, TileSize(tile_tokens, auto_tile),
-        compile_tiles, (need_hidden, need_weight, need_bias), keep_outputs=False, rows=rows,
+        compile_tiles, (need_hidden, need_weight, need_bias, *need_rows, *need_tokens), keep_outputs=False,
+        rows=rows,
     )  # fmt: skip
-    return list(_grads_or_empty(hidden, weight, bias, *grads))
+    return [*_grads_or_empty(hidden, weight, bias, *grads),
+            *_input_grads_or_empty(row_inputs, row_grads, weight),
+            *_input_grads_or_empty(token_inputs, token_grads, weight)]  # fmt: skip
 
 
 @_row_region_backward.register_fake
 def _(tangents, hidden, weight, bias, token_inputs, row_inputs, *, program, tile_tokens, auto_tile,
-      compile_tiles, need_hidden, need_weight, need_bias):  # fmt: skip
-    return list(_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias))
+      compile_tiles, need_hidden, need_weight, need_bias, need_rows, need_tokens):  # fmt: skip
+    return [*_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias),
+            *_fake_input_grads(row_inputs, _needs(need_rows, row_inputs), weight),
+            *_fake_input_grads(token_inputs, _needs(need_tokens, token_inputs), weight)]  # fmt: skip
 
 
 def _region_setup_context(ctx, inputs, keyword_only_inputs, output):
@@ -487,6 +561,7 @@ def _region_setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.options = dict(keyword_only_inputs)
     ctx.counts = (len(token_inputs), len(row_inputs))
     ctx.has_bias = bias is not None
+    ctx.input_needs = ([r.requires_grad for r in row_inputs], [t.requires_grad for t in token_inputs])
     ctx.save_for_backward(hidden, weight, bias, *token_inputs, *row_inputs)
     region = _region.lookup(ctx.options["program"])
     ctx.diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
@@ -501,19 +576,22 @@ def _region_vjp(ctx, grads):
     token_inputs, row_inputs = rest[: ctx.counts[0]], rest[ctx.counts[0] :]
     need = ctx.needs_input_grad[:3]
     need = (need[0], need[1], need[2] and bias is not None)
+    need_rows, need_tokens = ctx.input_needs
     region = _region.lookup(ctx.options["program"])
     zeros = _zero_outputs(region, hidden)  # for the outputs whose gradient is unused
     tangents = [grads[i] if grads[i] is not None else zeros[i] for i in ctx.diff]
-    grad_h, grad_w, grad_b = _row_region_backward(
+    grad_h, grad_w, grad_b, *input_grads = _row_region_backward(
         tangents, hidden, weight, bias, list(token_inputs), list(row_inputs), **ctx.options,
-        need_hidden=need[0], need_weight=need[1], need_bias=need[2],
+        need_hidden=need[0], need_weight=need[1], need_bias=need[2], need_rows=need_rows,
+        need_tokens=need_tokens,
     )  # fmt: skip
+    row_grads, token_grads = input_grads[: ctx.counts[1]], input_grads[ctx.counts[1] :]
     return (
         grad_h if need[0] else None,
         grad_w if need[1] else None,
         grad_b if need[2] else None,
-        [None] * ctx.counts[0],
-        [None] * ctx.counts[1],
+        [g if n else None for g, n in zip(token_grads, need_tokens, strict=True)],
+        [g if n else None for g, n in zip(row_grads, need_rows, strict=True)],
     )
 
 
@@ -541,10 +619,13 @@ def run_region(
     if region.reduction is None:
         return _row_region(hidden, weight, bias, token_inputs, row_inputs, **options)
     grad_on = torch.is_grad_enabled()
-    loss, _, _, _, *outputs = _row_region_loss(
+    need_rows = [grad_on and r.requires_grad for r in row_inputs]
+    need_tokens = [grad_on and t.requires_grad for t in token_inputs]
+    loss, *rest = _row_region_loss(
         hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, **options,
         need_hidden=grad_on and hidden.requires_grad,
         need_weight=grad_on and weight.requires_grad,
         need_bias=grad_on and bias is not None and bias.requires_grad,
+        need_rows=need_rows if any(need_rows) else [], need_tokens=need_tokens if any(need_tokens) else [],
     )  # fmt: skip
-    return [loss, *outputs]
+    return [loss, *rest[3 + len(row_inputs) + len(token_inputs) :]]
