@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tile_pass import _bench_forms
 from tile_pass._measure import (
     LOSS_FORMS,
     MiB,
@@ -55,11 +56,21 @@ from tile_pass._measure import (
 from tile_pass._tile_passes.onednn_gemms import _onednn_mm, onednn_gemms_apply
 
 #: Every implementation the benchmark knows. CPU-only runs use :func:`default_impls`.
-IMPLS = ("eager", "inductor", "autochunker", "torch_chunked", "cce", "tile_pass", "liger", "cce_kernel")
+IMPLS = ("eager", "inductor", "autochunker", "torch_chunked", "cce", "chunked", "tile_pass", "liger",
+         "cce_kernel")  # fmt: skip
 FLOOR = "gemm_floor"
 IGNORE_INDEX = -100
+#: every loss form: the single-head forms of the step (:data:`LOSS_FORMS`) and the preference
+#: and distillation forms with inputs of their own (:mod:`tile_pass._bench_forms`)
+FORMS = {**LOSS_FORMS, **_bench_forms.FORMS}
 #: the implementations that run the user's own loss code, so every form of LOSS_FORMS
 _ANY_FORM = ("eager", "inductor", "autochunker", "tile_pass")
+#: ...and those of the ``dpo`` and ``distill`` forms: the same code, and ``chunked``, the form's
+#: code chunked by hand over tokens under activation checkpointing, as users write it today
+_OWN_FORM_IMPLS = ("eager", "inductor", "chunked", "tile_pass")
+#: the largest error against float64 (``max|x - ref| / max|ref|``, loss and every gradient) of
+#: a row the table shows a time for; a larger one is a wrong result, not a rounding
+EXACT_WITHIN = {"float32": 1e-4, "float64": 1e-9, "bfloat16": 5e-2, "float16": 5e-2}
 
 #: (implementation, logits-sized buffers alive at the peak): a coarse model used only to
 #: skip a child that would not fit in the memory available. Eager keeps the logits, their
@@ -95,7 +106,7 @@ class BenchConfig:
     repeats: int = 3
     seed: int = 0
     ignore_every: int = 7  # every k-th label is ignore_index (0: none)
-    form: str = "ce"  # a key of LOSS_FORMS
+    form: str = "ce"  # a key of FORMS
     check: bool = True
     dynamic_lengths: list[int] = field(default_factory=list)  # non-empty: the dynamic-shape check
 
@@ -114,6 +125,35 @@ def _make_inputs(cfg: BenchConfig, tokens: int | None = None):
     if cfg.ignore_every:  # some ignored tokens, unevenly spread over tiles
         labels[:: cfg.ignore_every] = IGNORE_INDEX
     return hidden.requires_grad_(), weight, labels
+
+
+def runs_form(impl: str, form: str) -> bool:
+    """Whether ``impl`` computes ``form`` (the others compute cross entropy only)."""
+    if form in _bench_forms.FORMS:
+        return impl in _OWN_FORM_IMPLS
+    return impl != "chunked" and (form == "ce" or impl in _ANY_FORM)
+
+
+def _form_inputs(form: str, hidden, weight, labels) -> tuple[torch.Tensor, ...]:
+    """The inputs ``form`` takes after ``(hidden, weight, labels)``; learnable ones require grad."""
+    if form in _bench_forms.FORMS:
+        return _bench_forms.form_inputs(form, hidden, weight, labels)
+    return form_inputs(form, hidden, weight, labels)
+
+
+def _training_step(fn, hidden, weight, labels, extra):
+    """:func:`training_step`, which also clears the gradients of the learnable extra inputs."""
+    step = training_step(fn, hidden, weight, labels, extra)
+    learnable = [t for t in extra if t.requires_grad]
+    if not learnable:
+        return step
+
+    def cleared():
+        for t in learnable:
+            t.grad = None
+        return step()
+
+    return cleared
 
 
 def _instrument_autochunker(events: list[str]) -> None:
@@ -139,9 +179,11 @@ def _instrument_autochunker(events: list[str]) -> None:
 def _build(cfg: BenchConfig, info: dict[str, Any]) -> Callable:
     """The loss function of ``cfg.impl``; ``info`` collects what the child should report."""
     dynamic = True if cfg.dynamic_lengths else None
-    loss_fn = LOSS_FORMS[cfg.form]
-    if cfg.form != "ce" and cfg.impl not in _ANY_FORM:
-        raise ValueError(f"{cfg.impl} computes cross entropy only, not the {cfg.form!r} form")
+    loss_fn = FORMS[cfg.form]
+    if cfg.impl in IMPLS and not runs_form(cfg.impl, cfg.form):
+        raise ValueError(f"{cfg.impl} does not compute the {cfg.form!r} form")
+    if cfg.impl == "chunked":
+        return _bench_forms.chunked(cfg.form)
     if cfg.impl == "eager":
         return loss_fn
     if cfg.impl == "inductor":
@@ -256,27 +298,65 @@ def _tile_traces() -> int:
         return 0
 
 
-def _floor_gemms(h: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> dict[str, list[Callable]]:
-    """The three unavoidable GEMMs, per GEMM library this process can call for them."""
-    gemms = {"aten": [lambda: h @ w.T, lambda: g @ w, lambda: g.T @ h]}
-    if h.dtype == torch.float32 and onednn_gemms_apply(h.device):
-        gemms["onednn"] = [lambda: _onednn_mm(h, w.T), lambda: _onednn_mm(g, w), lambda: _onednn_mm(g.T, h)]
+def _products(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, list[Callable]]:
+    """``a @ b`` for each pair, per GEMM library this process can call for them."""
+    gemms = {"aten": [lambda a=a, b=b: a @ b for a, b in pairs]}
+    if pairs[0][0].dtype == torch.float32 and onednn_gemms_apply(pairs[0][0].device):
+        gemms["onednn"] = [lambda a=a, b=b: _onednn_mm(a, b) for a, b in pairs]
     return gemms
 
 
-def _gemm_floor(cfg: BenchConfig) -> dict[str, Any]:
-    """Each of the three GEMMs timed in every library available; the floor sums the fastest.
+def _floor_gemms(h: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> dict[str, list[Callable]]:
+    """The three unavoidable GEMMs, per GEMM library this process can call for them."""
+    return _products([(h, w.T), (g, w), (g.T, h)])
 
-    tile_pass's CPU float32 tiles call oneDNN where aten would call MKL, so a floor of
-    aten's GEMMs alone would not bound them.
-    """
+
+def _floor_operands(cfg: BenchConfig) -> tuple[list[str], dict[str, list[Callable]]]:
+    """The names of the GEMMs ``cfg.form``'s step cannot avoid and, per library, each GEMM."""
     device = torch.device(cfg.device)
     dtype = getattr(torch, cfg.dtype)
     gen = torch.Generator().manual_seed(cfg.seed)
     h = torch.randn(cfg.tokens, cfg.hidden, generator=gen).to(device, dtype)
     w = torch.randn(cfg.vocab, cfg.hidden, generator=gen).to(device, dtype)
     g = torch.randn(cfg.tokens, cfg.vocab, generator=gen).to(device, dtype)
-    libraries = _floor_gemms(h, w, g)
+    if cfg.form not in _bench_forms.FORMS:
+        return ["h @ W.T", "dlogits @ W", "dlogits.T @ h"], _floor_gemms(h, w, g)
+    _, _, labels = _make_inputs(cfg)
+    extra = [t.detach() for t in _form_inputs(cfg.form, h, w, labels)]
+    named = _bench_forms.floor_gemms(cfg.form, h, w, g, extra)
+    return [name for name, _, _ in named], _products([(a, b) for _, a, b in named])
+
+
+def _floor_step(cfg: BenchConfig) -> Callable[[], None]:
+    """One run of the floor's GEMMs, each in the library that was fastest at it here (for
+    the interleaved timing: :func:`run_interleaved`)."""
+    device = torch.device(cfg.device)
+    _, libraries = _floor_operands(cfg)
+    for gemms in libraries.values():
+        for gemm in gemms:
+            gemm()
+    timings = {name: [min(timed(gemm, device)[1] for _ in range(2)) for gemm in gemms]
+               for name, gemms in libraries.items()}  # fmt: skip
+    fastest = [
+        libraries[min(libraries, key=lambda name, i=i: timings[name][i])][i]
+        for i in range(len(libraries["aten"]))
+    ]
+
+    def step() -> None:
+        for gemm in fastest:
+            gemm()
+
+    return step
+
+
+def _gemm_floor(cfg: BenchConfig) -> dict[str, Any]:
+    """Each GEMM of the form's floor timed in every library available; the floor sums the fastest.
+
+    tile_pass's CPU float32 tiles call oneDNN where aten would call MKL, so a floor of
+    aten's GEMMs alone would not bound them.
+    """
+    device = torch.device(cfg.device)
+    names, libraries = _floor_operands(cfg)
     first = sum(timed(gemm, device)[1] for gemm in libraries["aten"])
     allocator_steady_state()  # timed as every implementation is (see measure_steps)
     per_library = {}
@@ -290,7 +370,9 @@ def _gemm_floor(cfg: BenchConfig) -> dict[str, Any]:
         "median_s": sum(fastest),
         "first_call_s": first,
         "compile_s": 0.0,
+        "gemms": names,
         "gemm_s": {library: [round(t, 4) for t in times] for library, times in per_library.items()},
+        "note": " + ".join(names),
     }
 
 
@@ -301,7 +383,7 @@ def _dynamic_check(cfg: BenchConfig, fn: Callable) -> dict[str, Any]:
     for n in cfg.dynamic_lengths:
         hidden, weight, labels = _make_inputs(cfg, tokens=n)
         graphs, traces = _graph_count(), _tile_traces()
-        step = training_step(fn, hidden, weight, labels, form_inputs(cfg.form, hidden, weight, labels))
+        step = _training_step(fn, hidden, weight, labels, _form_inputs(cfg.form, hidden, weight, labels))
         _, seconds = timed(step, device)
         per_length.append(
             {
@@ -330,8 +412,8 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
         return {**out, **_dynamic_check(cfg, fn)}
 
     hidden, weight, labels = _make_inputs(cfg)
-
-    step = training_step(fn, hidden, weight, labels, form_inputs(cfg.form, hidden, weight, labels))
+    extra = _form_inputs(cfg.form, hidden, weight, labels)
+    step = _training_step(fn, hidden, weight, labels, extra)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -352,8 +434,15 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
         out["fired"] = fired = "chunked" in events
         notes.append(("fired" if fired else "did not fire") + (f" ({'; '.join(events)})" if events else ""))
     if "backend" in info:
-        rewrites = info["backend"].report().rewrites
+        report = info["backend"].report()
+        rewrites = report.rewrites
         out["fired"] = bool(rewrites)
+        out["report"] = str(report)
+        if rewrites:  # how the region's gradient is formed (e.g. re-derived in backward: a 4th GEMM)
+            out["reduction"] = rewrites[0].reduction
+            if cfg.form in _bench_forms.FORMS:
+                notes.append(f"reduction={rewrites[0].reduction}")
+        out["skipped"] = [skip.reason for skip in report.skipped]
         if rewrites:
             ran = importlib.import_module("tile_pass._tiling").last_tiles  # the plan of the labels
             out["tile_tokens"] = ran[2] if ran else rewrites[0].tile_tokens
@@ -361,7 +450,7 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
                 f"tile={ran[2]}x{ran[1]} {ran[3].value}" if ran else f"tile={rewrites[0].tile_tokens}"
             )
         else:
-            notes.append("NOT REWRITTEN")
+            notes.append("NOT REWRITTEN" + (f" ({out['skipped'][0][:160]})" if out["skipped"] else ""))
     out.update(
         loss=float(loss.detach()),
         median_s=median,
@@ -383,14 +472,33 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
         note="; ".join(notes),
     )
     if cfg.check:
-        grads = (hidden.grad, weight.grad)
+        learnable = [t for t in extra if t.requires_grad]
+        grads = (hidden.grad, weight.grad, *(t.grad for t in learnable))
         del loss
-        ref_loss, ref_h, ref_w = float64_reference(hidden, weight, labels, form=cfg.form)
+        if cfg.form in _bench_forms.FORMS:
+            ref_loss, refs = _bench_forms.float64_reference(cfg.form, hidden, weight, labels, extra)
+        else:
+            ref_loss, *refs = float64_reference(hidden, weight, labels, form=cfg.form)
         # GRPO's loss is exactly -mean(advantages) at ratio 1 (zero here): absolute error then
         out["err_loss"] = abs(out["loss"] - float(ref_loss)) / (abs(float(ref_loss)) or 1.0)
-        out["err_dh"] = relative_error(grads[0], ref_h)
-        out["err_dw"] = relative_error(grads[1], ref_w)
+        out["err_dh"] = relative_error(grads[0], refs[0])
+        out["err_dw"] = relative_error(grads[1], refs[1])
+        if learnable:  # the dpo bias
+            errors = [relative_error(g, r) for g, r in zip(grads[2:], refs[2:], strict=True)]
+            out["err_dextra"] = max(math.inf if e is None else e for e in errors)
+        out.update(exactness(out))
+        if not out["exact"]:
+            out["note"] = f"NOT EXACT ({out['inexact']}); " + out["note"]
     return out
+
+
+def exactness(row: dict[str, Any]) -> dict[str, Any]:
+    """``exact``: whether the loss and every gradient are within :data:`EXACT_WITHIN` of float64
+    (a missing gradient or a NaN is not); ``inexact`` names the errors beyond it."""
+    within = EXACT_WITHIN.get(row["dtype"], 5e-2)
+    keys = ["err_loss", "err_dh", "err_dw"] + (["err_dextra"] if "err_dextra" in row else [])
+    bad = [key for key in keys if not (row.get(key) is not None and row[key] <= within)]
+    return {"exact": not bad, **({"inexact": ", ".join(f"{k}={row.get(k)}" for k in bad)} if bad else {})}
 
 
 def run_interleaved(cfgs: Sequence[BenchConfig], rounds: int) -> list[list[float]]:
@@ -400,15 +508,19 @@ def run_interleaved(cfgs: Sequence[BenchConfig], rounds: int) -> list[list[float
     every other round in reverse order, so a slow spell of the machine costs every config alike;
     one fresh process per row instead times each config minutes apart (on a shared 2-core VM,
     rows of one run moved 10-20% while interleaved steps of the same pair moved a few percent).
-    Memory is not measured here: every config's compiled code lives in this one process.
+    Memory is not measured here: every config's compiled code lives in this one process. A
+    GEMM floor's step runs its GEMMs, each in the library fastest at it (:func:`_floor_step`).
     """
     device = torch.device(cfgs[0].device)
     hidden, weight, labels = _make_inputs(cfgs[0])
     steps = []
     for cfg in cfgs:
+        if cfg.impl == FLOOR:
+            steps.append(_floor_step(cfg))
+            continue
         torch.manual_seed(cfg.seed)
         fn = _build(cfg, {})
-        step = training_step(fn, hidden, weight, labels, form_inputs(cfg.form, hidden, weight, labels))
+        step = _training_step(fn, hidden, weight, labels, _form_inputs(cfg.form, hidden, weight, labels))
         step()  # compile
         step()  # and one warm step
         steps.append(step)
@@ -438,6 +550,8 @@ def _mem_available_bytes() -> int | None:
 def estimated_peak_bytes(cfg: BenchConfig) -> int:
     """A coarse upper estimate of a child's resident memory (inputs, grads, logits buffers)."""
     itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    if cfg.form in _bench_forms.FORMS:
+        return _own_form_peak_bytes(cfg, itemsize)
     if cfg.impl in _MODEL_DTYPE_LOGITS_COPIES:
         copies = _MODEL_DTYPE_LOGITS_COPIES[cfg.impl] * _FORM_COPIES.get(cfg.form, 1)
         logits = copies * cfg.tokens * cfg.vocab * itemsize
@@ -445,6 +559,27 @@ def estimated_peak_bytes(cfg: BenchConfig) -> int:
         logits = _LOGITS_COPIES.get(cfg.impl, 0.5) * cfg.tokens * cfg.vocab * max(itemsize, 4)
     params = (cfg.tokens + cfg.vocab) * cfg.hidden * (2 * itemsize + (16 if cfg.check else 0))
     return int(logits + params + 1024 * MiB)
+
+
+#: float32 logits-sized buffers alive at the peak of the ``dpo`` and ``distill`` forms, per row
+#: (``chunked``: of one chunk's tokens; the float64 check holds about as many of its chunks)
+_OWN_FORM_COPIES = {
+    ("eager", "dpo"): 6, ("inductor", "dpo"): 4, ("chunked", "dpo"): 8,
+    ("eager", "distill"): 12, ("inductor", "distill"): 8, ("chunked", "distill"): 16,
+    ("gemm_floor", "dpo"): 2, ("gemm_floor", "distill"): 2,
+}  # fmt: skip
+
+
+def _own_form_peak_bytes(cfg: BenchConfig, itemsize: int) -> int:
+    """:func:`estimated_peak_bytes` of the ``dpo`` and ``distill`` forms (their own inputs: the
+    teacher's hidden states and head; the chunked rows' and the check's chunks)."""
+    row_bytes = cfg.vocab * max(itemsize, 4)
+    rows = min(cfg.tokens, _bench_forms.CHUNK_TOKENS) if cfg.impl == "chunked" else cfg.tokens
+    logits = _OWN_FORM_COPIES.get((cfg.impl, cfg.form), 0.5) * rows * row_bytes
+    width = cfg.hidden + (round(cfg.hidden * _bench_forms.TEACHER_WIDTH) if cfg.form == "distill" else 0)
+    params = (cfg.tokens + cfg.vocab) * width * (2 * itemsize + (16 if cfg.check else 0))
+    check = 16 * _bench_forms.CHUNK_TOKENS * cfg.vocab * 8 if cfg.check else 0
+    return int(logits + params + check + 1024 * MiB)
 
 
 def measure_fresh(
@@ -514,7 +649,10 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = next((r for r in same if r["impl"] == "inductor"), None)
         # the GEMMs, and the plain cross entropy, are the same for every form of a shape
         same_shape = [r for r in rows if _shape_key(r)[:-1] == _shape_key(row)[:-1] and "error" not in r]
-        floor = next((r for r in same_shape if r["impl"] == FLOOR), None)
+        # a form's own floor (its GEMMs: the teacher's too), else the single head's
+        floors = [r for r in same_shape if r["impl"] == FLOOR]
+        floor = next((r for r in floors if r.get("form", "ce") == row.get("form", "ce")), None)
+        floor = floor or next((r for r in floors if r.get("form", "ce") == "ce"), None)
         plain_ce = next((r for r in same_shape if r["impl"] == row["impl"] and r.get("form", "ce") == "ce"
                          and not r.get("swept")), None)  # fmt: skip
         if "error" in row:
@@ -530,7 +668,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if row["impl"] != FLOOR and base.get("compile_s"):
                 row["compile_x_inductor"] = row["compile_s"] / base["compile_s"]
         if floor is not None:
-            row["time_x_floor"] = row["median_s"] / floor["median_s"]
+            row["time_x_floor"] = _ratio_time(row, floor)
         if plain_ce is not None and row.get("form", "ce") != "ce":
             row["time_x_ce"] = _ratio_time(row, plain_ce)
     return rows
@@ -563,12 +701,17 @@ def run_benchmark(
         shape = dict(
             tokens=tokens, hidden=hidden, vocab=vocab, dtype=dtype, device=device, ignore_every=ignore_every
         )
-        configs = [BenchConfig(impl=FLOOR, repeats=repeats, check=False, **shape)] if floor else []
+        # one floor for the single-head forms, one per form with GEMMs of its own
+        floor_forms = [f for f in forms if f in _bench_forms.FORMS]
+        if any(f not in _bench_forms.FORMS for f in forms):
+            floor_forms.insert(0, "ce")
+        configs = [BenchConfig(impl=FLOOR, repeats=repeats, check=False, form=f, **shape)
+                   for f in (floor_forms if floor else ())]  # fmt: skip
         configs += [
             BenchConfig(impl=impl, tile_tokens=tile, repeats=repeats, check=check, form=form, **shape)
             for form in forms
             for impl in impls
-            if form == "ce" or impl in _ANY_FORM
+            if runs_form(impl, form)
             for tile in (tile_tokens if impl == "tile_pass" else (None,))
         ]
         shape_rows = []
@@ -589,7 +732,9 @@ def _time_interleaved(configs, rows, rounds: int, timeout: float, warm_cache: bo
     from one fresh process timing them all interleaved (:func:`run_interleaved`)."""
     # (not the autochunker: its switch would apply to every Inductor row of the one process)
     pairs = zip(configs, rows, strict=True)
-    measured = [(c, row) for c, row in pairs if c.impl not in (FLOOR, "autochunker") and "error" not in row]
+    measured = [(c, row) for c, row in pairs if c.impl != "autochunker" and "error" not in row]
+    if all(c.impl == FLOOR for c, _ in measured):
+        return
     if not measured:
         return
     configs_json = json.dumps([asdict(c) for c, _ in measured])
@@ -662,6 +807,7 @@ COLUMNS = (
     ("err_loss", "err loss", "{:.1e}"),
     ("err_dh", "err dh", "{:.1e}"),
     ("err_dw", "err dW", "{:.1e}"),
+    ("err_dextra", "err db", "{:.1e}"),
     ("time_x_inductor", "time/ind", "{:.2f}"),
     ("mem_x_inductor", "mem/ind", "{:.2f}"),
     ("extra_x_inductor", "extra/ind", "{:.3f}"),
@@ -673,9 +819,15 @@ COLUMNS = (
 )
 
 
+#: the columns a row that is not exact (:func:`exactness`) shows no number in
+_TIMES = ("median_s", "interleaved_s", "time_x_inductor", "time_x_floor", "time_x_ce", "compile_x_inductor")
+
+
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     if key == "note" and "error" in row:
         return "ERROR: " + row["error"]
+    if key in _TIMES and row.get("exact") is False:
+        return "-"
     value = row.get(key)
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -775,7 +927,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--hidden", type=_ints, default=[1024])
     p.add_argument("--vocab", type=_ints, default=[32000])
     p.add_argument("--dtype", default="float32", help="comma-separated: float32,bfloat16,float16")
-    p.add_argument("--form", default="ce", help=f"comma-separated loss forms: {','.join(LOSS_FORMS)}")
+    p.add_argument(
+        "--form", default="ce",
+        help=f"comma-separated loss forms: {','.join(FORMS)} (dpo and distill: eager, inductor, chunked and "
+        "tile_pass by default, each against the form's own GEMM floor)",
+    )  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--repeats", type=int, default=3, help="steady steps per measurement (median)")
     p.add_argument(
@@ -805,7 +961,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         impls = ["inductor", "tile_pass"]
     dtypes = args.dtype.split(",")
     forms = args.form.split(",")
-    for what, names, known in (("implementation", impls, IMPLS), ("form", forms, LOSS_FORMS)):
+    if args.impl is None and any(form in _bench_forms.FORMS for form in forms):
+        impls.insert(impls.index("tile_pass"), "chunked")
+    for what, names, known in (("implementation", impls, IMPLS), ("form", forms, FORMS)):
         for name in names:
             if name not in known:
                 raise SystemExit(f"unknown {what} {name!r}; choose from {', '.join(known)}")
