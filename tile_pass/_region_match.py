@@ -58,6 +58,8 @@ class TokenInput:
     #: read with a selection of the token rows (``logits[:B]``): the selection's index over the
     #: hidden states' token dims; the input covers those rows only and is spread over all of them
     subset: tuple | None = None
+    #: the region differentiates it (it requires grad where a node that needs a gradient reads it)
+    differentiable: bool = False
 
 
 @dataclass
@@ -68,6 +70,7 @@ class RowInput:
     node: torch.fx.Node
     zero_dim: bool
     whole: bool = False
+    differentiable: bool = False  # as TokenInput's
 
 
 @dataclass
@@ -378,6 +381,7 @@ class RegionMatcher:
         self.slice_nodes: list[torch.fx.Node] = []
         self.pre_slice: set[torch.fx.Node] = set()  # values computed before the last of them
         self.partners: list[torch.fx.Node] = []  # other heads' projections whose tiles the region computes
+        self.excluded: set[torch.fx.Node] = set()  # partners whose logits no region value combines
         #: row selections read beside all rows (``logits[:B]``): kept as selections of the tiles'
         #: rows rather than moved onto the hidden states (a second matching pass turns this on)
         self.select_rows = False
@@ -436,8 +440,9 @@ class RegionMatcher:
         padded = (1,) * (len(out_shape) - value.dim()) + tuple(value.shape)
         tokens, part = padded[: len(out.tokens)], padded[len(out.tokens) :]
         per_token = all(same(s, t) for s, t in zip(tokens, out.tokens, strict=True))
+        differentiable = value.requires_grad and bool(getattr(val(node), "requires_grad", False))
         if not per_token and all(same(s, 1) for s in tokens):
-            row = RowInput(arg, value.dim() == 0)  # equal to an earlier one exactly when of the same node
+            row = RowInput(arg, value.dim() == 0, differentiable=differentiable)  # equal: of the same node
             if row not in self.row_inputs:
                 self.row_inputs.append(row)
             return Ref(RefKind.ROW, self.row_inputs.index(row))
@@ -448,7 +453,7 @@ class RegionMatcher:
             raise NoMatch("{} broadcasts {} over tokens into [N, V] rows", node, arg)
         part = tuple(1 if same(p, 1) else self.vocab for p in part)
         subset = None if self.selection is None else self.selections[self.selection][0]
-        entry = TokenInput(arg, part, self.flat_tokens(out.tokens), subset)
+        entry = TokenInput(arg, part, self.flat_tokens(out.tokens), subset, differentiable)
         if entry not in self.token_inputs:  # dataclass equality: the same node, part and token dims
             self.token_inputs.append(entry)
         return Ref(RefKind.TOKEN, self.token_inputs.index(entry))
@@ -577,7 +582,7 @@ class RegionMatcher:
         mine = _descendants(self.projection) | {self.projection}
         partners = set()
         for node in self.graph.nodes:
-            if node in mine or node.op not in ("call_function", "call_method"):
+            if node in mine or node in self.excluded or node.op not in ("call_function", "call_method"):
                 continue
             try:
                 linear = as_linear(node)
@@ -612,10 +617,24 @@ class RegionMatcher:
                 args.append(Ref(RefKind.ROW, len(self.row_inputs) - 1))
         classified = Classified(self.step(node, F.linear, args), Shape(Layout.ROWS, tokens))
         self._add(node, classified, RuleKind.ELEMENTWISE)
+        self._no_gradient_through(node)
         if transpose is not None and list(transpose.users) == [node]:
             self.nodes.append(transpose)
         self.nodes.append(node)
         self.partners.append(node)
+
+    def unused_partners(self) -> set[torch.fx.Node]:
+        """The partner heads no region value combines with this head's logits (their readers
+        meet only outside the region, as two losses added together do)."""
+        origin: dict[torch.fx.Node, frozenset] = {self.projection: frozenset({self.projection})}
+        origin.update((p, frozenset({p})) for p in self.partners)
+        met: set[torch.fx.Node] = set()
+        for node in self.values:
+            if node not in origin:
+                origin[node] = frozenset().union(*(origin.get(a, ()) for a in node.all_input_nodes))
+            if self.projection in origin[node]:
+                met |= origin[node]
+        return set(self.partners) - met
 
     def walk(self) -> None:
         """Phase 2: every node that depends on the logits, in graph order."""
@@ -665,9 +684,26 @@ class RegionMatcher:
                 self.selection = None
             for entry in classified:
                 self._add(node, entry)
+            self._no_gradient_through(node)
             if selection is not None:
                 self.selection_of[node] = selection
             self.nodes.append(node)
+
+    def _no_gradient_through(self, node: torch.fx.Node) -> None:
+        """A floating value computed without a gradient from values that have one (under
+        ``no_grad``, or a frozen head's logits) is detached in the program too: the tiles'
+        derived gradient must not flow through what eager's autograd never recorded."""
+        out = val(node)
+        if not isinstance(out, torch.Tensor) or out.requires_grad or not out.is_floating_point():
+            return
+        if node not in self.values or self.values[node][1].layout in (Layout.TUPLE, Layout.REDUCED):
+            return
+        grads = [a for a in node.all_input_nodes if getattr(val(a), "requires_grad", False)]
+        if not grads:
+            return
+        index, shape = self.values[node]
+        step = self.step(node, "detach", (Ref(RefKind.VALUE, index),), op="call_method")
+        self._add(node, Classified(step, shape), RuleKind.ELEMENTWISE)
 
     def _add(self, node: torch.fx.Node, entry: Classified, kind: RuleKind | None = None) -> None:
         """A step of ``node`` joins the program; its readers see its value (reduced, if it is)."""
@@ -854,25 +890,38 @@ def match_row_region(
     if linear is None:
         return None
     states = autocast_states or _autocast_states(graph)
-    matcher = RegionMatcher(graph, projection, linear, states, drop_rows)
+    matcher = None
     try:
-        matcher.walk()
+        matcher = _walked(graph, projection, linear, states, drop_rows)
         outputs = matcher.collect_outputs()
         return None if outputs is None else _build_region(matcher, outputs)
     except NoMatch as why:
+        if matcher is None:
+            raise
         why.depends = matcher.depends  # the skip replaces the reports of the losses it holds
         if not matcher.slices:
             raise
         # a token slice read beside all rows (DPO's NLL on the chosen half): the second pass keeps
         # every slice a selection of the tiles' rows; if that fails too, the first reason stands
-        retry = RegionMatcher(graph, projection, linear, states, drop_rows)
-        retry.select_rows = True
         try:
-            retry.walk()
+            retry = _walked(graph, projection, linear, states, drop_rows, select_rows=True)
             outputs = retry.collect_outputs()
             return None if outputs is None else _build_region(retry, outputs)
         except NoMatch:
             raise why from None
+
+
+def _walked(graph, projection, linear, states, drop_rows, select_rows=False) -> RegionMatcher:
+    """A matcher after phase 2; walked again without the partner heads it did not combine with."""
+    excluded: set[torch.fx.Node] = set()
+    while True:
+        matcher = RegionMatcher(graph, projection, linear, states, drop_rows)
+        matcher.select_rows, matcher.excluded = select_rows, excluded
+        matcher.walk()
+        unused = matcher.unused_partners()
+        if not unused:
+            return matcher
+        excluded = excluded | unused
 
 
 def first_stop(
@@ -881,8 +930,7 @@ def first_stop(
     """Why the region of ``projection`` does not reach through ``readers`` (a path from its
     logits, in graph order): the reason of the first reader outside it, or the region's own."""
     try:
-        matcher = RegionMatcher(graph, projection, as_linear(projection), _autocast_states(graph), False)
-        matcher.walk()
+        matcher = _walked(graph, projection, as_linear(projection), _autocast_states(graph), False)
         stopped = next((matcher.outside[r] for r in readers if r in matcher.outside), None)
         if stopped is None:
             matcher.collect_outputs()  # raises the region's own reason, if it has one
@@ -1006,13 +1054,19 @@ def rewrite_row_region(
             hidden, weight = (graph.call_method("to", (t, region.autocast_dtype)) for t in (hidden, weight))
             if bias is not None:
                 bias = graph.call_method("to", (bias, region.autocast_dtype))
+
+        def given(entry):  # what the op takes: detached unless a node that needs a gradient reads it
+            needs = getattr(val(entry.node), "requires_grad", False) and not entry.differentiable
+            return graph.call_method("detach", (entry.node,)) if needs else entry.node
+
         token_nodes = [
-            graph.call_function(_per_token, (t.node, tokens, t.flat_tokens, len(t.part))) if t.subset is None
-            else graph.call_function(_spread, (t.node, tokens, t.flat_tokens, len(t.part), t.subset))
+            graph.call_function(_per_token, (given(t), tokens, t.flat_tokens, len(t.part)))
+            if t.subset is None
+            else graph.call_function(_spread, (given(t), tokens, t.flat_tokens, len(t.part), t.subset))
             for t in region.token_inputs
         ]  # fmt: skip
         row_nodes = [
-            r.node if r.whole else graph.call_method("reshape", (r.node, () if r.zero_dim else (-1,)))
+            given(r) if r.whole else graph.call_method("reshape", (given(r), () if r.zero_dim else (-1,)))
             for r in region.row_inputs
         ]
         if region.program.shard is not None and hasattr(val(region.weight), "device_mesh"):  # DTensors
