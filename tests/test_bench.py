@@ -169,3 +169,87 @@ def test_interleaved_rounds_time_every_row_of_a_shape_and_the_ratios_use_them():
     rounds = zip(z_loss["interleaved_steps_s"], ce["interleaved_steps_s"], strict=True)
     assert z_loss["time_x_ce"] == pytest.approx(statistics.median(z / c for z, c in rounds))
     assert "interleaved s" in bench.format_table(rows)
+
+
+# ------------------------------------------------------------------ the dpo and distill forms
+
+
+def test_dpo_and_distill_rows_are_rewritten_exact_and_against_their_own_floor():
+    """Each form's chunked and tile_pass rows, its GEMM floor (the teacher's forward in distill's),
+    the float64 check of every gradient (the dpo bias's too) and the report's reduction line."""
+    rows = bench.run_benchmark(
+        [SHAPE], ("chunked", "tile_pass", "torch_chunked"), repeats=1, warm_cache=True, timeout=300,
+        forms=("dpo", "distill"), inner="aot_eager",
+    )  # fmt: skip
+    assert [(r["impl"], r["form"]) for r in rows] == [
+        (bench.FLOOR, "dpo"), (bench.FLOOR, "distill"), ("chunked", "dpo"), ("tile_pass", "dpo"),
+        ("chunked", "distill"), ("tile_pass", "distill"),
+    ]  # fmt: skip
+    by = {(r["impl"], r["form"]): r for r in rows}
+    assert len(by[(bench.FLOOR, "dpo")]["gemms"]) == 3
+    assert by[(bench.FLOOR, "distill")]["gemms"][-1] == "teacher h @ W.T"
+    for row in rows[2:]:
+        assert "error" not in row, row
+        assert row["exact"] is True and row["err_dh"] < 1e-4 and row["err_dw"] < 1e-4, row
+        floor = by[(bench.FLOOR, row["form"])]
+        assert row["time_x_floor"] == pytest.approx(row["median_s"] / floor["median_s"])
+    assert by[("chunked", "dpo")]["err_dextra"] < 1e-4 and by[("tile_pass", "dpo")]["err_dextra"] < 1e-4
+    assert "err_dextra" not in by[("tile_pass", "distill")]  # the teacher is frozen
+    for form in ("dpo", "distill"):
+        tiled = by[("tile_pass", form)]
+        assert tiled["fired"] and not tiled["skipped"], tiled["report"]
+        assert tiled["reduction"] and f"reduction={tiled['reduction']}" in tiled["note"]
+    table = bench.format_table(rows)
+    assert all(name in table for name in ("dpo", "distill", "chunked", "teacher h @ W.T", "err db"))
+
+
+def test_forms_written_once_chunk_to_the_same_loss_and_the_reference_to_the_whole_batch():
+    """The chunked rows (several chunks here) and the chunked float64 check against the form on
+    the whole batch (a chunk weighted by its own counts instead of the batch's would differ)."""
+    from tile_pass import _bench_forms
+
+    for form in ("dpo", "distill"):
+        cfg = bench.BenchConfig(tokens=512, hidden=16, vocab=200, form=form)
+        h, w, y = bench._make_inputs(cfg)
+        extra = bench._form_inputs(form, h, w, y)
+        assert len(list(_bench_forms.chunks(form, h, w, y, *extra))) >= 2
+        leaves = [h.detach().double().requires_grad_(), w.detach().double().requires_grad_()]
+        extra64 = [t.detach().double().requires_grad_(t.requires_grad) for t in extra]
+        leaves += [t for t in extra64 if t.requires_grad]
+        whole = _bench_forms.FORMS[form](leaves[0], leaves[1], y, *extra64)
+        whole_grads = torch.autograd.grad(whole, leaves)
+        ref_loss, ref_grads = _bench_forms.float64_reference(form, h, w, y, extra, chunk_tokens=64)
+        assert len(ref_grads) == (3 if form == "dpo" else 2)
+        torch.testing.assert_close(ref_loss, whole.detach(), rtol=1e-12, atol=0)
+        for got, want in zip(ref_grads, whole_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        step = bench._training_step(_bench_forms.chunked(form), h, w, y, extra)
+        loss = step()
+        assert abs(float(loss) - float(whole)) / abs(float(whole)) < 1e-5
+        grads = [h.grad, w.grad, *(t.grad for t in extra if t.requires_grad)]
+        for got, want in zip(grads, whole_grads, strict=True):
+            assert bench.relative_error(got, want) < 1e-4
+
+
+def test_a_row_that_is_not_exact_shows_no_time():
+    row = dict(impl="tile_pass", form="dpo", tokens=8, hidden=4, vocab=16, dtype="float32", median_s=0.5,
+               interleaved_s=0.4, time_x_inductor=0.9, time_x_floor=1.1, err_loss=1e-7, err_dh=1e-6,
+               err_dw=3e-3, err_dextra=1e-6, note="tile=8x1")  # fmt: skip
+    assert bench.exactness({**row, "err_dw": 2e-6}) == {"exact": True}
+    assert bench.exactness({**row, "err_dextra": float("nan")})["exact"] is False
+    assert bench.exactness({**row, "err_dh": None})["exact"] is False  # a gradient that never came
+    verdict = bench.exactness(row)
+    assert verdict["exact"] is False and "err_dw" in verdict["inexact"]
+    shown = bench.format_table([{**row, **verdict}]).splitlines()[1]
+    for hidden in ("0.500", "0.400", "0.90", "1.10"):
+        assert hidden not in shown
+    assert "3.0e-03" in shown  # the error is shown
+    assert "0.500" in bench.format_table([{**row, "exact": True}])
+
+
+def test_only_the_forms_own_rows_run_dpo_and_distill():
+    own = ["eager", "inductor", "chunked", "tile_pass"]
+    for form in ("dpo", "distill"):
+        assert [i for i in bench.IMPLS if bench.runs_form(i, form)] == own
+    assert not bench.runs_form("chunked", "ce") and bench.runs_form("torch_chunked", "ce")
+    assert not bench.runs_form("torch_chunked", "grpo") and bench.runs_form("autochunker", "grpo")

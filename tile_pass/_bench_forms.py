@@ -58,12 +58,17 @@ def _dpo_terms(x, w, b, y, ref_chosen, ref_rejected):
     return nll, F.logsigmoid(margin)
 
 
+def _upcast(logits):
+    """The float32 upcast trainers write as ``.float()``; a float64 head (the check) stays float64."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
 def _jsd_tokens(hs, ws, ht, wt, y):
     """Both heads and the per-token generalized JSD between them, zero at ignored labels."""
     student = hs @ ws.t()
     teacher = ht @ wt.t()
-    log_q = F.log_softmax(student.float() / JSD_TEMPERATURE, dim=-1)
-    log_p = F.log_softmax(teacher.float() / JSD_TEMPERATURE, dim=-1)
+    log_q = F.log_softmax(_upcast(student) / JSD_TEMPERATURE, dim=-1)
+    log_p = F.log_softmax(_upcast(teacher) / JSD_TEMPERATURE, dim=-1)
     log_m = torch.lerp(log_q.exp(), log_p.exp(), JSD_BETA).log()
     to_teacher = F.kl_div(log_m, log_p, reduction="none", log_target=True).sum(-1)
     to_student = F.kl_div(log_m, log_q, reduction="none", log_target=True).sum(-1)

@@ -689,12 +689,14 @@ def run_benchmark(
     progress: Callable[[dict[str, Any]], None] | None = None,
     forms: Sequence[str] = ("ce",),
     interleave: int = 0,
+    inner: str = "inductor",
 ) -> list[dict[str, Any]]:
     """Measure every implementation at every ``(tokens, hidden, vocab, dtype)``, one child each.
 
     ``tile_tokens`` lists the tiles tile_pass runs at (``None``: its own choice);
     ``ignore_every=k`` ignores every k-th label (0: none); ``interleave=k``: one more child per
-    shape times every row's step in ``k`` interleaved rounds, and the ratios use those times.
+    shape times every row's step in ``k`` interleaved rounds, and the ratios use those times;
+    ``inner``: the compiler of the ``inductor`` row and inside tile_pass (tests: ``aot_eager``).
     """
     rows = []
     for tokens, hidden, vocab, dtype in shapes:
@@ -708,7 +710,9 @@ def run_benchmark(
         configs = [BenchConfig(impl=FLOOR, repeats=repeats, check=False, form=f, **shape)
                    for f in (floor_forms if floor else ())]  # fmt: skip
         configs += [
-            BenchConfig(impl=impl, tile_tokens=tile, repeats=repeats, check=check, form=form, **shape)
+            BenchConfig(
+                impl=impl, tile_tokens=tile, repeats=repeats, check=check, form=form, inner=inner, **shape
+            )
             for form in forms
             for impl in impls
             if runs_form(impl, form)
