@@ -12,7 +12,7 @@ import losses_as_written as L
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import DEVICES, assert_close_to_oracle
+from conftest import DEVICES, assert_close_to_oracle, assert_no_worse_than_eager
 
 import tile_pass
 
@@ -203,3 +203,55 @@ def test_a_learnable_tensor_under_no_grad_is_a_constant():
     report = tile_pass.explain(reference_model, tensors["x"], tensors["w"].requires_grad_(), scale, y)
     assert len(report.rewrites) == 1 and not report.skipped, str(report)
     assert "requires grad" not in str(report)
+
+
+# ------------------------------------------------------------ bfloat16, and Inductor
+
+
+def _bf16_case(name, kind, trainable, device, backend):
+    fn = getattr(L, name)
+    tensors, y, extra, rl = _data(device, torch.bfloat16)
+    torch._dynamo.reset()
+    outs, grads = _call(torch.compile(fn, backend=backend), kind, tensors, y, extra, rl, trainable)
+    report = backend.report()
+    assert len(report.rewrites) == 1 and not report.skipped, str(report)
+    eager_outs, eager_grads = _call(fn, kind, tensors, y, extra, rl, trainable)
+    double = {k: None if v is None else v.double() for k, v in tensors.items()}
+    ref_outs, ref_grads = _call(fn, kind, double, y, [e.double() for e in extra], [r.double() for r in rl],
+                                trainable)  # fmt: skip
+    for out, eager, ref in zip(outs, eager_outs, ref_outs, strict=True):
+        assert out.dtype == eager.dtype
+        assert_no_worse_than_eager(out, eager, ref, f"{name} output")
+    for grad, eager, ref, what in zip(grads, eager_grads, ref_grads, trainable, strict=True):
+        assert grad.dtype == eager.dtype == torch.bfloat16
+        assert_no_worse_than_eager(grad, eager, ref, f"{name} d{what}")
+
+
+BF16 = [c for c in CASES if c[0] in ("dpo", "orpo", "grpo")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("name", "kind", "trainable"), BF16, ids=[c[0] for c in BF16])
+def test_bfloat16_loss_as_written_no_worse_than_eager(name, kind, trainable, device):
+    _bf16_case(name, kind, trainable, device, tile_pass.backend("aot_eager", tile_tokens=TILE, strict=True))
+
+
+INDUCTOR = [pytest.param(*c, marks=[] if c[0] in ("dpo", "distill_jsd") else pytest.mark.slow) for c in CASES]
+
+
+@pytest.mark.parametrize(("name", "kind", "trainable"), INDUCTOR, ids=[c[0] for c in CASES])
+def test_loss_as_written_under_inductor_with_compiled_tiles(name, kind, trainable):
+    fn = getattr(L, name)
+    tensors, y, extra, rl = _data("cpu")
+    torch._dynamo.reset()
+    backend = tile_pass.backend("inductor", tile_tokens=8, strict=True)
+    outs, grads = _call(torch.compile(fn, backend=backend), kind, tensors, y, extra, rl, trainable)
+    report = backend.report()
+    assert len(report.rewrites) == 1 and not report.skipped and report.rewrites[0].compiled_tiles, str(report)
+    double = {k: None if v is None else v.double() for k, v in tensors.items()}
+    ref_outs, ref_grads = _call(fn, kind, double, y, [e.double() for e in extra], [r.double() for r in rl],
+                                trainable)  # fmt: skip
+    for out, ref in zip(outs, ref_outs, strict=True):
+        assert_close_to_oracle(out, ref, torch.float32, f"{name} output")
+    for grad, ref, what in zip(grads, ref_grads, trainable, strict=True):
+        assert_close_to_oracle(grad, ref, torch.float32, f"{name} d{what}")
