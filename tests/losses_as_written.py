@@ -140,3 +140,13 @@ def distill_reverse_kl(hs, ws, ht, wt, y, temperature=1.0):
     log_q = student.log_softmax(-1).view(-1, V)
     log_p = teacher.log_softmax(-1).view(-1, V)
     return F.kl_div(log_p, log_q, reduction="batchmean", log_target=True)
+
+
+def distill_kl_div(hs, ws, ht, wt, y, reduction="sum", temperature=2.0):
+    """``F.kl_div`` of the student's log-probabilities from the teacher's probabilities, masked."""
+    V = ws.shape[0]
+    student = F.log_softmax((hs @ ws.t()).float().view(-1, V) / temperature, dim=-1)
+    with torch.no_grad():
+        teacher = F.softmax((ht @ wt.t()).float().view(-1, V) / temperature, dim=-1)
+    valid = (y.view(-1) != IGNORE).unsqueeze(-1)
+    return F.kl_div(student * valid, teacher * valid, reduction=reduction) * temperature**2

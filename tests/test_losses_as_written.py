@@ -8,6 +8,8 @@ states, weights, biases) with float64 eager.
 
 from __future__ import annotations
 
+import functools
+
 import losses_as_written as L
 import pytest
 import torch
@@ -64,13 +66,25 @@ CASES = [
     ("distill_jsd", "distill", ("x", "w")),
     ("distill_forward_kl", "distill", ("x", "w")),
     ("distill_reverse_kl", "distill", ("x", "w")),
+    ("distill_jsd_beta0", "distill", ("x", "w")),
+    ("distill_jsd_beta1", "distill", ("x", "w")),
+    ("distill_kl_div_sum", "distill", ("x", "w")),
+    ("distill_kl_div_mean", "distill", ("x", "w")),
+    ("distill_kl_div_batchmean", "distill", ("x", "w")),
 ]
+VARIANTS = {
+    "distill_jsd_beta0": functools.partial(L.distill_jsd, beta=0.0, temperature=1.0),
+    "distill_jsd_beta1": functools.partial(L.distill_jsd, beta=1.0),
+    "distill_kl_div_sum": functools.partial(L.distill_kl_div, reduction="sum"),
+    "distill_kl_div_mean": functools.partial(L.distill_kl_div, reduction="mean"),
+    "distill_kl_div_batchmean": functools.partial(L.distill_kl_div, reduction="batchmean"),
+}
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("name", "kind", "trainable"), CASES, ids=[c[0] for c in CASES])
 def test_loss_as_written_is_tiled_and_exact(name, kind, trainable, device):
-    fn = getattr(L, name)
+    fn = VARIANTS.get(name) or getattr(L, name)
     tensors, y, extra, rl = _data(device)
     torch._dynamo.reset()
     backend = tile_pass.backend("aot_eager", tile_tokens=TILE, strict=True)
@@ -209,7 +223,7 @@ def test_a_learnable_tensor_under_no_grad_is_a_constant():
 
 
 def _bf16_case(name, kind, trainable, device, backend):
-    fn = getattr(L, name)
+    fn = VARIANTS.get(name) or getattr(L, name)
     tensors, y, extra, rl = _data(device, torch.bfloat16)
     torch._dynamo.reset()
     outs, grads = _call(torch.compile(fn, backend=backend), kind, tensors, y, extra, rl, trainable)
@@ -241,7 +255,7 @@ INDUCTOR = [pytest.param(*c, marks=[] if c[0] in ("dpo", "distill_jsd") else pyt
 
 @pytest.mark.parametrize(("name", "kind", "trainable"), INDUCTOR, ids=[c[0] for c in CASES])
 def test_loss_as_written_under_inductor_with_compiled_tiles(name, kind, trainable):
-    fn = getattr(L, name)
+    fn = VARIANTS.get(name) or getattr(L, name)
     tensors, y, extra, rl = _data("cpu")
     torch._dynamo.reset()
     backend = tile_pass.backend("inductor", tile_tokens=8, strict=True)
