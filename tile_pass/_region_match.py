@@ -123,6 +123,21 @@ def _autocast_states(graph: torch.fx.Graph) -> dict[torch.fx.Node, tuple]:
     return states
 
 
+def _index_text(index: tuple) -> str:
+    """``[:4]``, ``[:, :-1]``: a row selection as the user wrote it."""
+
+    def one(i):
+        if not isinstance(i, slice):
+            return repr(i)
+        text = f"{'' if i.start is None else i.start}:{'' if i.stop is None else i.stop}"
+        return text + (f":{i.step}" if i.step is not None else "")
+
+    explicit = list(index[:-1])
+    while explicit and explicit[-1] == slice(None):
+        explicit.pop()
+    return "[" + ", ".join(one(i) for i in explicit) + "]"
+
+
 def _descendants(node: torch.fx.Node) -> set[torch.fx.Node]:
     seen, stack = set(), [node]
     while stack:
@@ -946,8 +961,14 @@ def _build_region(matcher: RegionMatcher, outputs: list[RegionOutput]) -> RowReg
     in_loss = set(reduction_nodes)
     steps_text = [matcher.head_form if matcher.autocast_dtype is None
                   else f"autocast({str(matcher.autocast_dtype)[6:]}) {matcher.head_form}"]  # fmt: skip
+    partner_steps = {matcher.values[p][0] - 1: p for p in matcher.partners}
     for position, step in enumerate(matcher.steps):
-        steps_text += ["slice tokens"] * matcher.slice_steps.count(position) + [step.describe()]
+        shown = step.describe()
+        if position in partner_steps:  # another head's logits, computed in the same tiles
+            shown = f"head 2 ({as_linear(partner_steps[position])[4]}, {step.source}, no gradient)"
+        steps_text += ["slice tokens"] * matcher.slice_steps.count(position) + [shown]
+    if matcher.selections:
+        steps_text.append(f"row selections {', '.join(_index_text(i) for i, _ in matcher.selections)}")
 
     def zeros(o):  # where the output is zero whatever the logits: tokens the tiles may skip
         return matcher.zeros.get(o.value) if o.shape.layout is not Layout.ROWS else None
