@@ -160,10 +160,9 @@ def graph_break_between(h, w, y):
     ("fn", "extra", "reason"),
     [
         (global_centering, (), "reads a value reduced over the tokens"),
-        (learnable_scale, (torch.tensor(0.7, dtype=torch.float64, requires_grad=True),), "learnable"),
         (graph_break_between, (), "a graph break separates the LM head from the loss"),
     ],
-    ids=["global_centering", "learnable_scale", "graph_break"],
+    ids=["global_centering", "graph_break"],
 )
 def test_not_tiled_forms_are_reported_and_exact(fn, extra, reason):
     args = (*inputs("cpu"), *extra)
@@ -171,6 +170,13 @@ def test_not_tiled_forms_are_reported_and_exact(fn, extra, reason):
     assert not report.rewrites
     assert any(reason in s.reason for s in report.skipped), str(report)
     compare(fn, args, tile_pass.backend("aot_eager"))
+
+
+def test_learnable_scale_is_differentiated_in_the_tiles():
+    args = (*inputs("cpu"), torch.tensor(0.7, dtype=torch.float64, requires_grad=True))
+    report = tile_pass.explain(learnable_scale, *args)
+    assert len(report.rewrites) == 1 and not report.skipped, str(report)
+    compare(learnable_scale, args, tile_pass.backend("aot_eager", tile_tokens=8))  # the scale's gradient too
 
 
 def test_per_token_scale_is_a_per_token_input():
