@@ -159,6 +159,7 @@ def linear_cross_entropy(
     if weight is not None and weight.dtype != loss_dtype:  # eager accepted it: autocast's cast
         weight = weight.to(loss_dtype)
     if target.dtype == torch.uint8:  # eager accepts Byte class indices; the tile's gather does not
+        _check_byte_labels(target, vocab_size, ignore_index, reduction)
         target = target.long()
     for name, tensor in (("weight (class weights)", weight), ("class-probability target", target)):
         if tensor is not None and tensor.requires_grad and torch.is_grad_enabled():
@@ -273,6 +274,19 @@ def _raise_as_eager(
             ignore_index=-100 if ignore_index is None else ignore_index,
             label_smoothing=label_smoothing,
         )
+
+
+def _check_byte_labels(target: torch.Tensor, vocab_size: int, ignore_index: int, reduction: str) -> None:
+    """On CPU, eager's error for a Byte label out of range (``reduction="none"`` prints the byte as
+    a character, which the tiles' check of the long labels would not): eager's loss of that one
+    label raises it."""
+    if target.device.type != "cpu" or torch.compiler.is_compiling() or target.numel() == 0:
+        return
+    labels = target.long()  # (a Byte tensor compared with -1 compares with 255)
+    bad = ((labels >= vocab_size) & (labels != ignore_index)).nonzero()
+    if len(bad):
+        first = target[bad[0, 0] : bad[0, 0] + 1]
+        F.cross_entropy(torch.zeros(1, vocab_size), first, ignore_index=ignore_index, reduction=reduction)
 
 
 def _is_int(value) -> bool:
