@@ -30,9 +30,9 @@ from tile_pass._options import TileOptions
 from tile_pass._region import Layout
 from tile_pass._returned_logits import ReturnedLogits
 from tile_pass._rules import LOSS_SIGNATURES, bind
-from tile_pass._tiling import TileSize, choose_tile_tokens
+from tile_pass._tiling import TileSize, choose_tile_tokens, tile_bytes_per_token
 from tile_pass._weight_grad import WeightGradSchedule
-from tile_pass.report import GraphReport, Rewrite, Skip, source_line
+from tile_pass.report import GraphReport, Rewrite, Skip, logits_bytes_fields, source_line
 
 
 @dataclass
@@ -230,6 +230,8 @@ def _rewrite_row_regions(
         returned = [val(o.node) for o in region.outputs if o.shape.layout is Layout.ROWS]
         returned += [val(node) for node in region.kept_whole]
         kept = sum(value.numel() * value.element_size() for value in returned)
+        upcast, fused = dtype != torch.float32, options.compile_tiles  # the [tile, V] buffers, as planned
+        tile_buffer = tile_now * tile_bytes_per_token(vocab, dtype, upcast, fused)
         outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
         shard = region.program.shard  # a vocabulary-sharded head: bytes are this rank's
         parallel = ""
@@ -250,8 +252,7 @@ def _rewrite_row_regions(
                 reduction=_reduction_text(region, covered),
                 tile_tokens=tile_now,
                 num_tiles=_plain((num_tokens + tile_now - 1) // tile_now),
-                forward_bytes_avoided=_plain(num_tokens * vocab * _forward_bytes(itemsize, True) - kept),
-                backward_bytes_avoided=_plain(num_tokens * vocab * (4 + (itemsize if itemsize != 4 else 0))),
+                **logits_bytes_fields(num_tokens * vocab, itemsize, kept, tile_buffer, _plain),
                 returned_logits=handled,
                 returned_logits_bytes=_plain(kept),
                 compiled_tiles=options.compile_tiles,
@@ -318,11 +319,6 @@ def _token_skipping(region) -> str:
         f"on CPU, tokens where every output is zero ({' or '.join(filter(None, kinds))}) run no GEMM; "
         "an accelerator runs every token (finding them would synchronise with the host)"
     )
-
-
-def _forward_bytes(itemsize: int, upcast: bool) -> int:
-    """Logits in the model dtype, their fp32 upcast, and the fp32 log-probs saved for backward."""
-    return itemsize + (4 if upcast and itemsize != 4 else 0) + 4
 
 
 def _plain(value) -> int | str:
