@@ -1,26 +1,31 @@
 """Fine-tune a tiny Hugging Face causal LM on CPU: plain torch.compile vs tile_pass, side by side.
 
-    python examples/finetune_tiny_lm.py                         # inductor, V=65536, 4096 tokens
-    python examples/finetune_tiny_lm.py --inner aot_eager --vocab 32000 --tokens 2048 --steps 3
+    python examples/finetune_tiny_lm.py      # aot_eager, V=32000, 2048 tokens: about a minute
+    python examples/finetune_tiny_lm.py --inner inductor --vocab 65536 --tokens 4096   # minutes
 
 The model is a randomly initialised Llama built from a tiny config (no download). Each
 configuration runs in a fresh process and reports its losses and the peak memory of one
 training step above the model, optimizer state and batch. tile_pass is shown twice: with
 the logits returned (the default, exact: the model-dtype logits are kept because the model
 returns them) and with ``drop_logits=True`` (the opt-in for training loops that ignore them).
+Each process says what it is doing as it goes. The step times come from processes run one
+after the other (a shared machine's load moves them by 10-20%); ``examples/demo.py`` times
+steps interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 
 import torch
 
 import tile_pass
-from tile_pass._measure import allocator_steady_state, peak_memory, reset_peak_memory, run_fresh
+from tile_pass._measure import FRESH_PROCESS_ENV, allocator_steady_state, peak_memory, reset_peak_memory
 
 MODES = ("torch.compile", "tile_pass", "tile_pass drop_logits")
 
@@ -46,7 +51,22 @@ def batches(vocab: int, tokens: int, steps: int):
         yield ids, labels
 
 
+def progress(text: str) -> None:
+    """A line on stderr, now: the parent passes it through while it reads the JSON on stdout."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def run_fresh_with_progress(argv: list[str]) -> dict:
+    """``tile_pass._measure.run_fresh``, with the child's stderr (its progress) shown as it comes."""
+    env = dict(os.environ, **FRESH_PROCESS_ENV)
+    proc = subprocess.run([sys.executable, *argv], stdout=subprocess.PIPE, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        sys.exit(f"{argv} failed (its error is above)")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def child(mode: str, args) -> None:
+    start = time.perf_counter()
     torch.manual_seed(0)
     model = build_model(args.vocab).train()
     if mode == "torch.compile":
@@ -56,6 +76,7 @@ def child(mode: str, args) -> None:
     step_fn = torch.compile(model, backend=backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, peak, seconds = [], 0, []
+    progress(f"    model built ({time.perf_counter() - start:.0f} s); step 1 compiles ...")
     for i, (ids, labels) in enumerate(batches(args.vocab, args.tokens, args.steps + 1)):
         base = reset_peak_memory(torch.device("cpu")) if i == 1 else 0
         t0 = time.perf_counter()
@@ -67,8 +88,10 @@ def child(mode: str, args) -> None:
         if i == 1:  # step 0 compiled and created the optimizer state
             peak = peak_memory(torch.device("cpu")) - base
             allocator_steady_state()  # later steps are timed as a long-running process runs them
-        losses.append(float(out.loss))
+        losses.append(out.loss.item())
         del out
+        what = "compiled" if i == 0 else "peak memory measured" if i == 1 else "timed"
+        progress(f"    step {i + 1}/{args.steps + 1}: {seconds[-1]:.2f} s ({what})")
     rewrites = len(backend.report().rewrites) if isinstance(backend, tile_pass.Backend) else 0
     timed = seconds[2:] or seconds[1:]  # the steps after the memory step
     step_s = sorted(timed)[len(timed) // 2]
@@ -78,10 +101,10 @@ def child(mode: str, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--inner", default="inductor", choices=["inductor", "aot_eager"])
-    parser.add_argument("--vocab", type=int, default=65536)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--inner", default="aot_eager", choices=["inductor", "aot_eager"])
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=3, help="steps after the compiling one")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -92,7 +115,11 @@ def main() -> None:
     for mode in MODES:
         argv = [__file__, "--child", mode, "--inner", args.inner, "--vocab", str(args.vocab),
                 "--tokens", str(args.tokens), "--steps", str(args.steps)]  # fmt: skip
-        results[mode] = run_fresh(argv)
+        print(f"{mode}: a fresh process builds the model, compiles it (inner {args.inner}) and trains "
+              f"{args.steps + 1} steps ...", flush=True)  # fmt: skip
+        start = time.perf_counter()
+        results[mode] = run_fresh_with_progress(argv)
+        print(f"    done in {time.perf_counter() - start:.0f} s", flush=True)
     logits_mib = args.tokens * args.vocab * 4 / 2**20
     print(f"tiny Llama, vocab {args.vocab}, {args.tokens} tokens/step (fp32 logits {logits_mib:.0f} MiB), "
           f"inner={args.inner}, AdamW, {args.steps} measured steps")  # fmt: skip
