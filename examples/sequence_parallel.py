@@ -135,6 +135,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    print(f"spawning {WORLD} gloo ranks (each imports torch, then checks itself) ...", flush=True)
     mp.start_processes(_worker, args=(port,), nprocs=WORLD, start_method="spawn")
     print("sequence-parallel loss and gradients equal the single-process float64 reference")
 

@@ -484,11 +484,14 @@ def main() -> None:
             variants = PRETRAINING_VARIANTS
         for variant in variants:
             argv = [__file__, "--child", stack, variant, "--inner", args.inner]
+            start = time.perf_counter()  # progress on stderr: stdout is the table
+            print(f"running {stack} / {variant} in a fresh process ...", file=sys.stderr, flush=True)
             try:
                 r = run_fresh(argv, timeout=1200)
             except RuntimeError as error:
                 print(f"| {stack} | {variant} | | failed: {str(error).splitlines()[-1][:120]} | | | |")
                 continue
+            print(f"    done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
             print(f"| {stack} | {variant} | {r['tokens']} | {r['rewritten']} | {r['peak_mib']:.0f} | "
                   f"{r['step_s']:.2f} | {r['loss']:.4f} |")  # fmt: skip
             sys.stdout.flush()

@@ -116,6 +116,7 @@ def main(argv=None) -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as out:
         for impl in ("loss_parallel", "inductor", "tile_pass backend", "tile_pass"):
+            print(f"{impl}: spawning {WORLD} fresh ranks for one step ...", file=sys.stderr, flush=True)
             mp.spawn(_worker, args=(_free_port(), impl, shape, out), nprocs=WORLD)
             rows[impl] = [json.load(open(os.path.join(out, f"{impl}_{r}.json"))) for r in range(WORLD)]
     base = max(r["peak_mib"] for r in rows["inductor"])
