@@ -421,6 +421,11 @@ def _loss(matcher, node: torch.fx.Node) -> list[Classified]:
         weight_val = val(weight)
         if weight_val is None or weight_val.dim() != 1 or not same(weight_val.shape[0], matcher.vocab):
             raise NoMatch("{} has class weights that are not a [V] tensor", node)
+        logits_dtype = val(options["input"]).dtype
+        if not soft and weight_val.dtype != logits_dtype and matcher.step(node, None, ()).autocast is None:
+            raise NoMatch("{} has {} class weights for {} logits and class indices; eager raises for it "
+                          "(left to raise, before any label check)", node, weight_val.dtype,
+                          logits_dtype)  # fmt: skip
         kwargs.append(("weight", matcher.operand(weight, shape, node)))
     step = matcher.step(node, node.target, (source, target), kwargs)
     if not soft and target.kind is RefKind.TOKEN:
