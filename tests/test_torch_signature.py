@@ -191,3 +191,66 @@ def test_pass_matches_class_weights_and_probability_targets(head):
     assert_close_to_oracle(got, expected, torch.float32, "loss")
     for g, e in zip(grads_of(got, test), grads_of(expected, oracle), strict=True):
         assert_close_to_oracle(g, e, torch.float32, "grad")
+
+
+# ------------------------------------------------- PyTorch's own OpInfo samples, gradients included
+
+
+def _opinfo_samples(dtype):
+    pytest.importorskip("expecttest")  # torch's testing internals import it
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    ops = [op for op in op_db if op.name == "nn.functional.linear_cross_entropy"]
+    if not ops:
+        pytest.skip("this torch has no OpInfo for linear_cross_entropy")
+    return [s for op in ops for s in op.sample_inputs("cpu", dtype, requires_grad=True)]
+
+
+def _fresh(sample):
+    def leaf(t):
+        return t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+
+    return [leaf(a) for a in (sample.input, *sample.args)], {k: leaf(v) for k, v in sample.kwargs.items()}
+
+
+@pytest.mark.skipif(not HAS_TORCH_LCE, reason="this torch has no F.linear_cross_entropy")
+@pytest.mark.parametrize("dtype", [torch.float64, pytest.param(torch.float32, marks=pytest.mark.slow)])
+def test_pytorch_opinfo_samples_with_every_gradient(dtype):
+    """Every OpInfo sample of torch's op (class indices and probabilities, class weights, a
+    bias, each reduction, K-dimensional weights, torch's chunking options), through
+    ``tile_pass.linear_cross_entropy``: the same loss and the same gradients of every input
+    that requires grad, the class-probability target's included, or the same exception."""
+    import warnings
+
+    samples = _opinfo_samples(dtype)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    differentiated_targets = 0
+    for sample in samples:
+        (args, kwargs), (ours_args, ours_kwargs) = _fresh(sample), _fresh(sample)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                expected = F.linear_cross_entropy(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - any eager error must be ours too
+            with pytest.raises(type(error)):
+                tile_pass.linear_cross_entropy(*ours_args, **ours_kwargs)
+            continue
+        ours = tile_pass.linear_cross_entropy(*ours_args, **ours_kwargs)
+        torch.testing.assert_close(ours, expected, equal_nan=True, **tol)
+
+        def differentiated(tensors):
+            return [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+
+        wanted, mine = (
+            differentiated((*args, *kwargs.values())),
+            differentiated((*ours_args, *ours_kwargs.values())),
+        )
+        upstream = torch.randn_like(expected)
+        got = torch.autograd.grad(ours, mine, upstream, allow_unused=True)
+        want = torch.autograd.grad(expected, wanted, upstream, allow_unused=True)
+        for g, w in zip(got, want, strict=True):
+            assert (g is None) == (w is None)
+            if w is not None:
+                torch.testing.assert_close(g, w, equal_nan=True, **tol)
+        differentiated_targets += bool(args[2].requires_grad)
+    assert len(samples) > 100 and differentiated_targets > 20  # the probability targets' gradients ran

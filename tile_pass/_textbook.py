@@ -58,6 +58,8 @@ class Options(NamedTuple):
     vocab_shard: tuple[str, int, int] | None = None
     #: class probabilities of another dtype than the loss's (eager promotes the loss to theirs)
     target_dtype: torch.dtype | None = None
+    #: class probabilities that require grad: differentiated in the tiles, as eager does
+    target_grad: bool = False
 
 
 def _textbook_code(options: Options):
@@ -113,7 +115,10 @@ def _examples(options: Options, mode: FakeTensorMode) -> list:
             examples.append(torch.empty(vocab, dtype=options.dtype, device=device, requires_grad=True))
         if options.soft_targets:
             examples.append(
-                torch.empty(tokens, vocab, dtype=options.target_dtype or loss_dtype, device=device)
+                torch.empty(
+                    tokens, vocab, dtype=options.target_dtype or loss_dtype, device=device,
+                    requires_grad=options.target_grad,
+                )  # fmt: skip
             )
         else:
             examples.append(torch.zeros(tokens, dtype=torch.long, device=device))

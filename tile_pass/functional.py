@@ -59,6 +59,7 @@ def linear_cross_entropy(
     logit_scale: float | None = None,
     softcap: float | None = None,
     compile_tiles: bool = False,
+    options: object | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(input, linear_weight, linear_bias).float(), target, ...)``, tiled.
 
@@ -80,8 +81,17 @@ def linear_cross_entropy(
     ``linear_weight`` sharded over the vocabulary (``Shard(0)`` on a 1-D tensor-parallel mesh)
     runs the same region on this rank's rows (no bias, class weights or probability targets yet).
 
+    ``options`` (torch's ``LinearCrossEntropyOptions``, which configures torch's own chunking)
+    is accepted and has no effect: the tiles replace torch's chunks. A ``linear_weight`` of more
+    than two dimensions is torch's K-dimensional loss (logits ``[N, C, d1, ...]``, no vocabulary
+    to tile): it is computed as torch computes it, untiled.
+
     Works in eager code and inside ``torch.compile`` (no graph break, no host sync).
     """
+    del options  # torch's chunking options: the tiles are tile_pass's own
+    if linear_weight.dim() > 2 and not _is_dtensor(linear_weight):
+        return _k_dimensional(input, linear_weight, target, linear_bias if bias is None else bias, weight,
+                              reduction, ignore_index, label_smoothing)  # fmt: skip
     hidden = input
     if bias is not None and linear_bias is not None:
         raise TypeError("pass the projection's bias once: as linear_bias= (torch's name) or positionally")
@@ -161,12 +171,12 @@ def linear_cross_entropy(
     if target.dtype == torch.uint8:  # eager accepts Byte class indices; the tile's gather does not
         _check_byte_labels(target, vocab_size, ignore_index, reduction)
         target = target.long()
-    for name, tensor in (("weight (class weights)", weight), ("class-probability target", target)):
-        if tensor is not None and tensor.requires_grad and torch.is_grad_enabled():
-            raise NotImplementedError(
-                f"tile_pass: the {name} requires grad; the tiled loss differentiates the hidden states, "
-                "the projection and its bias only (detach it, or use F.cross_entropy)"
-            )
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        # eager's cross entropy (and torch's linear_cross_entropy) refuse to differentiate class
+        # weights: raise exactly that, from eager itself, on one stand-in row
+        row = torch.zeros((1, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+        F.cross_entropy(row, torch.zeros((1,), dtype=torch.long, device=weight.device), weight=weight)
+    target_grad = soft_targets and target.requires_grad and torch.is_grad_enabled()
     # Python constants only (Dynamo hands them to an assume_constant_result function): under
     # dynamic=True the head's sizes and the options are specialised (a guard each; the token
     # count stays symbolic)
@@ -176,6 +186,7 @@ def linear_cross_entropy(
         has_bias=bias is not None, class_weights=weight is not None, soft_targets=soft_targets,
         upcast=upcast, logit_scale=_constant_float(logit_scale), softcap=_constant_float(softcap),
         target_dtype=target.dtype if soft_targets and target.dtype != loss_dtype else None,
+        target_grad=target_grad,
         ignore_index=operator.index(ignore_index), label_smoothing=_constant_float(label_smoothing),
         reduction=reduction, tile_tokens=_constant_int(tile_tokens), tile_bytes=_constant_int(tile_bytes),
         compile_tiles=bool(compile_tiles),
@@ -183,6 +194,23 @@ def linear_cross_entropy(
     )  # fmt: skip
     loss = _textbook.run(options, hidden, linear_weight, bias, target, weight)
     return loss.view(target_shape) if reduction == "none" else loss
+
+
+def _k_dimensional(input, linear_weight, target, bias, weight, reduction, ignore_index, label_smoothing):
+    """torch's K-dimensional linear cross entropy, as torch defines it (not an LM head: untiled)."""
+    if hasattr(F, "linear_cross_entropy"):
+        return F.linear_cross_entropy(
+            input, linear_weight, target, linear_bias=bias, weight=weight, reduction=reduction,
+            ignore_index=ignore_index, label_smoothing=label_smoothing,
+        )  # fmt: skip
+    classes, features = linear_weight.shape[0], linear_weight.shape[1:-1]
+    flat_bias = None if bias is None else bias.reshape(-1)
+    logits = F.linear(input, linear_weight.reshape(-1, linear_weight.shape[-1]), flat_bias)
+    logits = logits.reshape(*input.shape[:-1], classes, *features)
+    return F.cross_entropy(
+        logits, target, weight=weight, reduction=reduction,
+        ignore_index=-100 if ignore_index is None else ignore_index, label_smoothing=label_smoothing,
+    )  # fmt: skip
 
 
 def _soft(target: torch.Tensor, hidden: torch.Tensor, vocab_size) -> bool:
