@@ -16,7 +16,15 @@ GEMMS = {
     *_tile_buffers.REPLACES.values(),
     _tile_buffers.fresh_mm,
 }
-VIEWS = {aten.t.default, aten.detach.default, aten.view.default, aten.transpose.int, aten.permute.default}
+# detach is traced as aten.alias from torch 2.15 on: both are views
+VIEWS = {
+    aten.t.default,
+    aten.detach.default,
+    aten.alias.default,
+    aten.view.default,
+    aten.transpose.int,
+    aten.permute.default,
+}
 
 
 def logits_gemm(gm: torch.fx.GraphModule) -> torch.fx.Node | None:
