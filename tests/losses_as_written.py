@@ -150,3 +150,34 @@ def distill_kl_div(hs, ws, ht, wt, y, reduction="sum", temperature=2.0):
         teacher = F.softmax((ht @ wt.t()).float().view(-1, V) / temperature, dim=-1)
     valid = (y.view(-1) != IGNORE).unsqueeze(-1)
     return F.kl_div(student * valid, teacher * valid, reduction=reduction) * temperature**2
+
+
+def cpo_chunked(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
+    """The batch taken apart with ``chunk``: NLL on the chosen half, a metric on each half."""
+    logits = x @ w.t()
+    if b is not None:
+        logits = logits + b
+    logits = logits.float()
+    chosen_logits, rejected_logits = logits.chunk(2)
+    V = logits.shape[-1]
+    half = x.shape[0] // 2
+    nll = F.cross_entropy(chosen_logits.reshape(-1, V), y[:half].reshape(-1), ignore_index=IGNORE)
+    logps = _batch_logps(logits, y)
+    loss = nll - F.logsigmoid(beta * (logps[:half] - logps[half:])).mean()
+    return loss, chosen_logits.mean(), rejected_logits.mean()
+
+
+def dpo_split_narrow(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
+    """``split`` for the metrics, ``narrow`` for the NLL."""
+    logits = F.linear(x, w, b).float()
+    half = x.shape[0] // 2
+    V = logits.shape[-1]
+    nll = F.cross_entropy(logits.narrow(0, 0, half).reshape(-1, V), y[:half].reshape(-1), ignore_index=IGNORE)
+    chosen, rejected = logits.split(half)
+    logps = _batch_logps(logits, y)
+    margin = beta * ((logps[:half] - ref_chosen) - (logps[half:] - ref_rejected))
+    return (
+        nll
+        - F.logsigmoid(margin).mean()
+        + 0.01 * (chosen.logsumexp(-1).mean() - rejected.logsumexp(-1).mean())
+    )

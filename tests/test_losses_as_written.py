@@ -62,6 +62,8 @@ CASES = [
     ("simpo", "preference", ("x", "w")),
     ("dpo_shifted", "preference", ("x", "w", "b")),
     ("kto", "preference", ("x", "w", "b")),
+    ("cpo_chunked", "preference", ("x", "w", "b")),
+    ("dpo_split_narrow", "preference", ("x", "w", "b")),
     ("grpo", "rl", ("x", "w", "b")),
     ("distill_jsd", "distill", ("x", "w")),
     ("distill_forward_kl", "distill", ("x", "w")),

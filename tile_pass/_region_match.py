@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from tile_pass import _fx, _region, _rules
 from tile_pass._fx import NoMatch, as_linear, describe, leading_index, same, same_shape, val
+from tile_pass._logging import log
 from tile_pass._region import Layout, Output, ReductionProgram, Ref, RefKind, RowProgram, Step, target_name
 from tile_pass._returned_logits import ReturnedLogits
 from tile_pass._rules import PREVIOUS_STEP, AfterTiles, Classified, RuleKind, Shape, TokenReduction
@@ -278,6 +279,9 @@ def _no_op_redistribute(node: torch.fx.Node) -> bool:
     return placements[0] is not None and placements[0] == placements[1] and meshes[0] == meshes[1]
 
 
+#: ops that cut the token rows into pieces (each a row selection, in the second matching pass)
+_SPLITS = frozenset({"chunk", "split", "narrow", "tensor_split"})
+
 #: the ways Dynamo records ``a + b``
 _BIAS_ADDS = frozenset({"add", "__add__", "__radd__", "iadd", "add_"})
 
@@ -403,6 +407,9 @@ class RegionMatcher:
         self.selections: list[tuple[tuple, tuple]] = []  # (index, the selected token dims)
         self.selection_of: dict[torch.fx.Node, int] = {}  # region value -> its selection
         self.selection: int | None = None  # the selection of the node being classified
+        self.split_parts: dict[torch.fx.Node, list[tuple]] = {}  # chunk/split/narrow -> its pieces' indices
+        self.split_source: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.saw_selection = False  # a chunk/split/narrow of the rows: the second pass may take it
 
     # ---------------------------------------------------------------- operands
 
@@ -517,14 +524,24 @@ class RegionMatcher:
         a value of its rows alone. Per-token operands of those rows are spread over all rows
         (:func:`_spread`), and outputs are selected back after the tiles (:func:`_select`), so
         a mean over the selection keeps eager's denominator."""
+        if node.op not in ("call_function", "call_method") or not node.args:
+            return False
+        source, name = node.args[0], target_name(node.target)
+        shape = self.shape_of(source)
+        if name in _SPLITS and shape is not None and shape.layout is Layout.ROWS:
+            self.saw_selection = True  # the second pass takes it
         if not self.select_rows:
             return False
-        source = node.args[0] if node.op == "call_function" and node.target is operator.getitem else None
-        shape = self.shape_of(source)
-        if shape is None or shape.layout is not Layout.ROWS:
-            return False
-        index = leading_index(node, len(shape.tokens) + 1)
-        if index is None:
+        if name == "getitem" and source in self.split_parts and isinstance(node.args[1], int):
+            index, shape = self.split_parts[source][node.args[1]], self.shape_of(self.split_source[source])
+            source = self.split_source[source]
+        elif name in _SPLITS and shape is not None and shape.layout is Layout.ROWS:
+            return self._split(node, name, source, shape)
+        elif name == "getitem" and shape is not None and shape.layout is Layout.ROWS:
+            index = leading_index(node, len(shape.tokens) + 1)
+            if index is None:
+                return False
+        else:
             return False
         if source in self.selection_of or not same_shape(shape.tokens, self.hidden_tokens):
             raise NoMatch("{} selects token rows of rows already selected or regrouped", node)
@@ -532,6 +549,41 @@ class RegionMatcher:
         torch.fx.node.map_arg(index, bounds.append)
         if bounds:
             raise NoMatch("{} selects token rows with a symbolic bound", node)
+        return self.row_selection_of(node, source, index)
+
+    def _split(self, node: torch.fx.Node, name: str, source: torch.fx.Node, shape: Shape) -> bool:
+        """``logits.chunk(2)``, ``logits.split(B)``, ``logits.narrow(0, 0, B)`` over a token
+        dimension: each piece is a selection of the rows (a ``narrow`` one piece)."""
+        ndim = len(shape.tokens) + 1
+        default = node.args[1] if name == "narrow" else node.args[2] if len(node.args) > 2 else 0
+        dim = node.kwargs.get("dim", default)
+        if not isinstance(dim, int) or not 0 <= dim % ndim < ndim - 1:
+            raise NoMatch("{} splits the logits along the vocabulary, not the token rows", node)
+        dim %= ndim
+        if source in self.selection_of or not same_shape(shape.tokens, self.hidden_tokens):
+            raise NoMatch("{} selects token rows of rows already selected or regrouped", node)
+
+        def index(start, stop):
+            return (*(slice(None),) * dim, slice(start, stop), *(slice(None),) * (ndim - dim - 1))
+
+        if name == "narrow":
+            start, length = node.args[2:4] if len(node.args) >= 4 else (None, None)
+            if not isinstance(start, int) or not isinstance(length, int):
+                raise NoMatch("{} selects token rows with a symbolic bound", node)
+            self.split_source[node] = source
+            self.split_parts[node] = [index(start, start + length)]
+            return self.row_selection_of(node, source, index(start, start + length))
+        pieces = node.meta.get("example_value", node.meta.get("val"))
+        if not isinstance(pieces, (list, tuple)) or any(not isinstance(p.shape[dim], int) for p in pieces):
+            raise NoMatch("{} splits the token rows into pieces of symbolic sizes", node)
+        starts = [sum(p.shape[dim] for p in pieces[:k]) for k in range(len(pieces) + 1)]
+        self.split_source[node] = source
+        self.split_parts[node] = [index(a, b) for a, b in zip(starts, starts[1:], strict=False)]
+        self.values[node] = (self.values[source][0], Shape(Layout.TUPLE, shape.tokens, Layout.ROWS))
+        return True
+
+    def row_selection_of(self, node: torch.fx.Node, source: torch.fx.Node, index: tuple) -> bool:
+        """``node`` is the rows ``index`` of the region value ``source`` (all rows)."""
         tokens = tuple(val(node).shape[:-1])
         known = next((k for k, (i, _) in enumerate(self.selections) if repr(i) == repr(index)), None)
         if known is None:
@@ -914,7 +966,7 @@ def match_row_region(
         if matcher is None:
             raise
         why.depends = matcher.depends  # the skip replaces the reports of the losses it holds
-        if not matcher.slices:
+        if not matcher.slices and not matcher.saw_selection:
             raise
         # a token slice read beside all rows (DPO's NLL on the chosen half): the second pass keeps
         # every slice a selection of the tiles' rows; if that fails too, the first reason stands
@@ -922,7 +974,8 @@ def match_row_region(
             retry = _walked(graph, projection, linear, states, drop_rows, select_rows=True)
             outputs = retry.collect_outputs()
             return None if outputs is None else _build_region(retry, outputs)
-        except NoMatch:
+        except NoMatch as second:
+            log.debug("the second matching pass (row selections) stopped too: %s", second)
             raise why from None
 
 
