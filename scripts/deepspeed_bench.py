@@ -78,7 +78,7 @@ def _one_step(rank, world, stage, sp, factor, mpu, compiled):
     }
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
-    backend = compile_engine(engine, "aot_eager") if compiled else None
+    backend = compile_engine(engine, "aot_eager", tile_tokens=8) if compiled else None
     ids, labels = global_batch()
     positions = torch.arange(SEQ).expand(ROWS, SEQ)
     part = (slice(None), slice(rank * SEQ // world, (rank + 1) * SEQ // world)) if sp else (
@@ -257,7 +257,7 @@ def loss_table(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["recipes", "loss", "_one"])
-    parser.add_argument("--reports", action="store_true", help="recipes through compile_engine (aot_eager)")
+    parser.add_argument("--reports", action="store_true", help="via compile_engine, aot_eager")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=32000)

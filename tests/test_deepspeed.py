@@ -135,8 +135,9 @@ def _train(rank, world, stage, sp, backend_name, mpu):
 
 def _worker(rank, world, port, runs, outdir):
     """Each ``(stage, sp, backend)`` in turn, in one process group. A ZeRO-3 engine rebinds
-    torch.nn.functional.linear for the rest of the process, and Ulysses takes over the "sdpa"
-    attention: the data-parallel runs get transformers' own sdpa back."""
+    torch.nn.functional.linear for the rest of the process (later engines at stages 0-2 have
+    DeepSpeed's linear too), and Ulysses takes over the "sdpa" attention: the data-parallel runs
+    get transformers' own sdpa back."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))  # fmt: skip
     torch.set_num_threads(1)
@@ -191,8 +192,6 @@ def run(tmp_path, world, cases):
     """``cases``: ``(stage, sp)`` pairs; each runs with tile_pass and with plain aot_eager.
     Returns ``{(stage, sp, backend): [result of each rank]}``."""
     runs = [(stage, sp, b) for stage, sp in cases for b in ("tile_pass", "aot_eager")]
-    # stage 3 last among the data-parallel runs: it leaves torch's linear rebound (see _worker)
-    runs.sort(key=lambda r: (r[1], r[0] == 3))
     spawn(_worker, (world, _free_port(), runs, str(tmp_path)), timeout=SPAWN_TIMEOUT_S, nprocs=world)
     return {r: [torch.load(tmp_path / f"{run_name(*r)}_rank{k}.pt") for k in range(world)] for r in runs}
 
@@ -233,10 +232,11 @@ def test_ulysses_zero3_rewritten_and_exact(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, cases", [
-    (1, [(0, False), (1, False), (2, False), (3, False)]),
+    # ZeRO-3 first: stages 0-2 then run with DeepSpeed's linear in place of torch's (see _worker)
+    (1, [(3, False), (0, False), (1, False), (2, False)]),
     (WORLD, [(0, False), (1, False), (2, False), (3, False)]),
     (WORLD, [(0, True), (1, True), (2, True)]),
-], ids=["one_rank_zero0123", "two_ranks_zero0123", "ulysses_zero012"])  # fmt: skip
+], ids=["one_rank_zero3012", "two_ranks_zero0123", "ulysses_zero012"])  # fmt: skip
 def test_every_stage_rewritten_and_exact(tmp_path, world, cases):
     results = run(tmp_path, world, cases)
     for stage, sp in cases:

@@ -6,7 +6,8 @@ One line for every stage, after ``deepspeed.initialize`` and before the first st
     backend = compile_engine(engine)  # inner="inductor"; tile_tokens=..., any tile_pass.backend option
 
 At stages 0, 1 and 2 this is ``engine.compile(backend=tile_pass.backend(...))`` (which compiles
-``engine.module``), and that line alone works there: the LM head and the loss are in one graph.
+``engine.module``), and that line alone works there: the LM head and the loss are in one graph
+(unless an earlier ZeRO-3 engine in the process replaced ``torch.nn.functional.linear``: below).
 At stage 3 it first calls :func:`hand_head_to_tile_pass`, because ZeRO-3 hides the head from the
 pass in two ways:
 
@@ -30,13 +31,13 @@ forward pre-hook and before the top module's backward, and releases them by its 
 the forward unless its recorded trace keeps them for the backward that follows; at the end of
 the backward), so the head weight is still partitioned between steps and all-gathered while it
 is used (tests/test_deepspeed.py: gathered and released at the same points as under the head's
-own hooks). The gathered weight lives
-from the start of the top module's forward instead of from the head's call: one gathered head
-weight more during the backbone's forward. The head's
-``forward`` calls torch's own linear, whatever ``torch.nn.functional.linear`` is now, so the head
-and the loss after it form one graph that tile_pass rewrites, with a derived backward. The
-gradient still reaches ZeRO through the parameter's own gradient hooks (reduce-scatter, and
-the partitioned optimizer step), untouched.
+own hooks). The gathered weight lives from the start of the top module's forward instead of from
+the head's call: one gathered head weight more during the backbone's forward. The head's
+``forward`` is bound to torch's own linear when ``torch.nn.functional.linear`` is DeepSpeed's
+wrapper, so the head and the loss after it form one graph that tile_pass rewrites, with a
+derived backward (the report's ``matmul:`` line then names this module's
+``_linear_with_torchs_linear``). The gradient still reaches ZeRO through the parameter's own
+gradient hooks (reduce-scatter, and the partitioned optimizer step), untouched.
 
 Loss recipes (measured in ``scripts/deepspeed_bench.py``; see docs/stacks.md): with the loss
 ``sum over the rank's tokens / the global count of valid tokens``, the gradient equals one
@@ -45,8 +46,8 @@ averages: the data-parallel world size at every stage without sequence paralleli
 Ulysses sequence parallelism, 1 at stages 0-2 (DeepSpeed sums over the sequence-parallel group)
 and the sequence-parallel size at stage 3 (ZeRO-3 averages over it before DeepSpeed 0.20.2).
 
-DeepSpeed's own compiler (DeepCompile, ``"compile": {"deepcompile": true}``) needs CUDA and is
-not covered here.
+DeepSpeed's own compiler (DeepCompile, ``"compile": {"deepcompile": true}``) is CUDA-only (its
+op's C++ works on CUDA streams and events) and is not covered here.
 """
 
 from __future__ import annotations
@@ -104,9 +105,10 @@ def hand_head_to_tile_pass(engine, head: torch.nn.Module | None = None) -> torch
     be a ``torch.nn.Linear``. At ZeRO stage 3 the head's ZeRO hooks are removed and its
     parameters become external parameters of ``engine.module``, so ZeRO gathers and releases them
     around the top module's forward and backward instead of the head's (see the module
-    docstring). At every stage the head's forward calls torch's linear, which an earlier ZeRO-3
-    engine in the process may have replaced. Call it after ``deepspeed.initialize`` and before
-    the first step; calling it again changes nothing. Returns the head.
+    docstring). At any stage, when ``torch.nn.functional.linear`` is no longer torch's (this
+    engine's or an earlier ZeRO-3 engine's ``memory_efficient_linear`` replaced it), the head's
+    forward is bound to torch's linear. Call it after ``deepspeed.initialize`` and before the
+    first step; calling it again changes nothing. Returns the head.
     """
     head = _head_of(engine, head)
     if engine.zero_optimization_partition_weights():
@@ -129,7 +131,8 @@ def hand_head_to_tile_pass(engine, head: torch.nn.Module | None = None) -> torch
         coordinator = offload.get_param_coordinator()
         if not coordinator.is_invalid_trace():
             coordinator._invalidate_trace()
-    head.forward = types.MethodType(_linear_with_torchs_linear, head)
+    if torch.nn.functional.linear is not _TORCH_LINEAR:  # ZeRO-3's memory_efficient_linear
+        head.forward = types.MethodType(_linear_with_torchs_linear, head)
     return head
 
 
