@@ -137,8 +137,8 @@ def test_logging_through_torch_logs(capfd):
 
 
 # Every spelling of the LM head's transpose a user writes (each torch version records some of them
-# differently: ``W.T``/``W.mT`` are ``getattr`` nodes up to torch 2.14 and ``aten.numpy_T``/``aten.mT``
-# from 2.15), each rewritten and exact on the installed torch through one normalisation.
+# differently: ``W.T``/``W.mT`` are ``getattr`` nodes up to torch 2.13 and ``aten.numpy_T``/``aten.mT``
+# from 2.14), each rewritten and exact on the installed torch through one normalisation.
 HEADS = {
     "h @ w.T": lambda h, w: h @ w.T,
     "h @ w.mT": lambda h, w: h @ w.mT,

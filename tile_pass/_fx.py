@@ -72,8 +72,8 @@ def same_shape(a, b) -> bool:
 
 
 # How a 2-D weight's transpose may appear in a Dynamo graph: each torch version records a property
-# its own way (``W.T`` / ``W.mT`` were ``getattr(W, "T")`` up to torch 2.14, ``aten.numpy_T`` /
-# ``aten.mT`` op packets from 2.15) and a method as ``call_method`` or as the ``torch.*`` function.
+# its own way (``W.T`` / ``W.mT`` were ``getattr(W, "T")`` up to torch 2.13, ``aten.numpy_T`` /
+# ``aten.mT`` op packets from 2.14) and a method as ``call_method`` or as the ``torch.*`` function.
 # Every spelling is reduced to its name, then to one fact: whether it swaps the two dims of its input.
 _SWAPS = {"t", "T", "mT", "numpy_T"}  # on a 2-D tensor, a swap of its dims
 _TRANSPOSES = {"transpose", "swapaxes", "swapdims"}  # (a, b): a swap iff a != b

@@ -16,7 +16,7 @@ GEMMS = {
     *_tile_buffers.REPLACES.values(),
     _tile_buffers.fresh_mm,
 }
-# detach is traced as aten.alias from torch 2.15 on: both are views
+# detach is traced as aten.alias from torch 2.14 on: both are views
 VIEWS = {
     aten.t.default,
     aten.detach.default,
