@@ -116,7 +116,10 @@ def _examples(options: Options, mode: FakeTensorMode) -> list:
         if options.soft_targets:
             examples.append(
                 torch.empty(
-                    tokens, vocab, dtype=options.target_dtype or loss_dtype, device=device,
+                    tokens,
+                    vocab,
+                    dtype=options.target_dtype or loss_dtype,
+                    device=device,
                     requires_grad=options.target_grad,
                 )  # fmt: skip
             )
