@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICES
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tile_pass
@@ -315,11 +315,6 @@ def test_linear_cross_entropy_raises_or_matches_as_eager(device, family, data):
     assert_same_outcome(outcome(functional, leaves, args, options), expected, _describe(case), case["dtype"])
 
 
-def _one_token_with_class_weights(case) -> bool:
-    """An open bug (``test_one_token_with_class_weights``): left out of the draws until fixed."""
-    return case["n"] == 1 and case["class_weights"] is not None and case["weights_len"] == case["v"]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("device", DEVICES)
 @_settings(examples=7)
@@ -327,7 +322,6 @@ def _one_token_with_class_weights(case) -> bool:
 def test_compiled_rewrite_raises_or_matches_as_plain_compile(device, family, data):
     _family(device, family)
     case = data.draw(cases(device, family))
-    assume(not _one_token_with_class_weights(case))
     leaves, args = build(case)
     options, what = _options(case), _describe(case)
     computed_in = torch.float32 if case["dtype"] is torch.float64 else case["dtype"]  # the pattern's .float()
@@ -426,15 +420,11 @@ def test_mixed_dtypes_under_autocast_are_still_tiled(where):
         assert len(rewrites) == 1 and "autocast(bfloat16)" in rewrites[0].form, str(backend.report())
 
 
-@pytest.mark.xfail(
-    strict=True, reason="open bug: a [V] class-weight tensor is taken for a per-token input when N == 1"
-)
 def test_one_token_with_class_weights():
-    """Found by the property test: with one token, the region's side-input rule sees the class
-    weights ``[V]`` broadcast to ``[1, V]`` as one row per token and slices them per tile (the
-    tile's ``cross_entropy`` then gets ``[4, V]`` class weights and raises); eager returns a loss.
-    ``RegionMatcher.side_input`` in ``tile_pass/_region_match.py``: a value with no token
-    dimensions of its own (``value.dim() <= len(out_part)``) is a row input."""
+    """Found by the property test: with one token, the class weights ``[V]`` broadcast to
+    ``[1, V]`` looked like one row per token and were sliced per tile (the tile's
+    ``cross_entropy`` then got ``[4, V]`` class weights and raised); a value with no token
+    dimensions of its own is now shared by every row."""
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(1, H, generator=g), torch.randn(V, H, generator=g)
     y, class_weights = torch.randint(0, V, (1,), generator=g), torch.rand(V, generator=g) + 0.5

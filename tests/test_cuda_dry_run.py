@@ -552,7 +552,7 @@ def _check_row_region_rewrite(dtype, form, compiled):
             tangents = [torch.ones(N, dtype=dtype, device=CUDA)]
             grads = region_op._row_region_backward(  # its implementation, by _implementations
                 tangents, hidden, weight, bias, token_inputs, row_inputs, **kwargs,
-                need_hidden=True, need_weight=True, need_bias=False,
+                need_hidden=True, need_weight=True, need_bias=False, need_rows=[], need_tokens=[],
             )  # fmt: skip
             _assert_fake_cuda(grads[0], (N, H), dtype, "row_region_backward: hidden gradient")
             _assert_fake_cuda(grads[1], (V, H), dtype, "row_region_backward: weight gradient")

@@ -161,7 +161,7 @@ def test_fake_implementations_agree_with_the_real_ops(layout, need):
     of every output (the stride mismatch that crashed Inductor was one of these)."""
     hidden, weight, target = layout_inputs(layout, 21, 8, 13, torch.float32, "cpu", seed=1)
     bias = torch.randn(13) if need[2] else None
-    flags = dict(need_hidden=need[0], need_weight=need[1], need_bias=need[2])
+    flags = dict(need_hidden=need[0], need_weight=need[1], need_bias=need[2], need_rows=[], need_tokens=[])
     for reduction, scale in (("mean", None), ("sum", 0.5), ("none", None)):
         options = _textbook.Options(
             13, 8, torch.float32, "cpu", bias is not None, False, False, False, scale, None, -100, 0.0,

@@ -463,7 +463,9 @@ class RegionMatcher:
         tokens, part = padded[: len(out.tokens)], padded[len(out.tokens) :]
         per_token = all(same(s, t) for s, t in zip(tokens, out.tokens, strict=True))
         differentiable = value.requires_grad and bool(getattr(val(node), "requires_grad", False))
-        if not per_token and all(same(s, 1) for s in tokens):
+        # no token dimensions of its own ([V] class weights, a 0-d scale): shared by every row, also
+        # when a batch of one token makes its broadcast shape look per-token
+        if value.dim() <= len(out_part) or (not per_token and all(same(s, 1) for s in tokens)):
             row = RowInput(arg, value.dim() == 0, differentiable=differentiable)  # equal: of the same node
             if row not in self.row_inputs:
                 self.row_inputs.append(row)

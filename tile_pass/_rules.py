@@ -408,8 +408,8 @@ def _loss(matcher, node: torch.fx.Node) -> list[Classified]:
     soft = target_val.is_floating_point()
     if soft and node.target is F.nll_loss:
         raise NoMatch("nll_loss takes class indices, not class probabilities", node=node)
-    if not soft and target_val.dtype != torch.int64:
-        raise NoMatch("{} has a {} target; eager expects int64", node, target_val.dtype)
+    if not soft and target_val.dtype not in (torch.int64, torch.uint8):
+        raise NoMatch("{} has a {} target; eager expects int64 (or uint8)", node, target_val.dtype)
     target = matcher.operand(target_node, Shape(Layout.ROWS if soft else Layout.TOKENS, shape.tokens), node)
     weight = options.get("weight")
     kwargs = [("ignore_index", options["ignore_index"]), ("reduction", "none")]
