@@ -760,7 +760,7 @@ def _check_tile_loops(dtype, reduction, compiled):
                 assert name == "_row_region"
                 grads = m["tiled_region"]._row_region_backward(
                     [torch.ones(N, device=CUDA)], *args, **kwargs,
-                    need_hidden=True, need_weight=True, need_bias=b is not None,
+                    need_hidden=True, need_weight=True, need_bias=b is not None, need_rows=[], need_tokens=[],
                 )  # fmt: skip
             else:  # the gradients at unit upstream gradient, formed in forward
                 assert name == "_row_region_loss" and kwargs["need_bias"] == (b is not None)
@@ -816,7 +816,7 @@ def _check_traced_loops(dtype, compiled):
     N, H, V = 300, 64, 1000
 
     region_op = _modules()[1]["tiled_region"]
-    flags = dict(need_hidden=True, need_weight=True, need_bias=True)
+    flags = dict(need_hidden=True, need_weight=True, need_bias=True, need_rows=[], need_tokens=[])
 
     def calls_to_trace(name, args, kwargs, mode):
         implementation = getattr(region_op, name)
