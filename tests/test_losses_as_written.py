@@ -243,16 +243,20 @@ def _bf16_case(name, kind, trainable, device, backend):
         assert_no_worse_than_eager(grad, eager, ref, f"{name} d{what}")
 
 
-BF16 = [c for c in CASES if c[0] in ("dpo", "orpo", "grpo")]
+BF16 = [
+    pytest.param(*c, marks=[] if c[0] == "dpo" else pytest.mark.slow)
+    for c in CASES
+    if c[0] in ("dpo", "orpo", "grpo")
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("name", "kind", "trainable"), BF16, ids=[c[0] for c in BF16])
+@pytest.mark.parametrize(("name", "kind", "trainable"), BF16, ids=[c.values[0] for c in BF16])
 def test_bfloat16_loss_as_written_no_worse_than_eager(name, kind, trainable, device):
     _bf16_case(name, kind, trainable, device, tile_pass.backend("aot_eager", tile_tokens=TILE, strict=True))
 
 
-INDUCTOR = [pytest.param(*c, marks=[] if c[0] in ("dpo", "distill_jsd") else pytest.mark.slow) for c in CASES]
+INDUCTOR = [pytest.param(*c, marks=[] if c[0] == "distill_jsd" else pytest.mark.slow) for c in CASES]
 
 
 @pytest.mark.parametrize(("name", "kind", "trainable"), INDUCTOR, ids=[c[0] for c in CASES])
