@@ -18,7 +18,11 @@ gradients are compared with eager float64 computed on the same data in the same 
 The "gemm_floor" row times the three GEMMs a step cannot avoid (``h @ W.T``,
 ``dlogits @ W``, ``dlogits.T @ h``) on the same shape, each in every GEMM library the
 process can call (aten's, and oneDNN's for CPU float32), and sums the fastest; every row
-reports its time relative to it and relative to plain Inductor from the same run.
+reports its time relative to it and relative to plain Inductor from the same run. The ``dpo``
+and ``distill`` forms (:mod:`tile_pass._bench_forms`) have floors of their own (``distill``'s
+adds the frozen teacher's forward GEMM) and a ``chunked`` row (the form's code chunked by hand
+under activation checkpointing). A row whose loss or any gradient is further from float64 than
+:data:`EXACT_WITHIN` is marked NOT EXACT and the table prints no time for it.
 """
 
 from __future__ import annotations
