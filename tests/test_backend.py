@@ -167,8 +167,8 @@ def test_inner_and_option_errors_name_the_fix():
         tile_pass.linear_cross_entropy(h[..., :3], w, y)
     with pytest.raises(RuntimeError, match="same dtype"):
         tile_pass.linear_cross_entropy(h.float(), w, y)
-    with pytest.raises(RuntimeError, match="expected target dtype to be Long"):
-        tile_pass.linear_cross_entropy(h, w, y.double())
+    with pytest.raises(RuntimeError, match="expected target dtype to be Long|expected scalar type Long"):
+        tile_pass.linear_cross_entropy(h, w, y.double())  # eager says the latter on torch 2.11
 
 
 def test_functional_api_inside_compiled_code_fullgraph():

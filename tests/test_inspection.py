@@ -448,6 +448,11 @@ def test_a_dynamic_size_is_reported_with_its_value_at_compile():
     assert "at compile) tiles" in str(rewrite), str(rewrite)
 
 
+@pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13),
+    reason="torch 2.11's Dynamo breaks the graph before the loss (it cannot prove the two "
+    "data-dependent sizes equal), so no graph holds a head and its loss (2.12 not tried)",
+)
 @torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
 def test_an_unbacked_size_is_reported_without_a_value():
     """A data-dependent token count had no value at compile: the report gives its expression alone."""
