@@ -572,8 +572,6 @@ class RegionMatcher:
             start, length = node.args[2:4] if len(node.args) >= 4 else (None, None)
             if not isinstance(start, int) or not isinstance(length, int):
                 raise NoMatch("{} selects token rows with a symbolic bound", node)
-            self.split_source[node] = source
-            self.split_parts[node] = [index(start, start + length)]
             return self.row_selection_of(node, source, index(start, start + length))
         pieces = node.meta.get("example_value", node.meta.get("val"))
         if not isinstance(pieces, (list, tuple)) or any(not isinstance(p.shape[dim], int) for p in pieces):
