@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import tile_pass
-from tile_pass import _region_match, _settings, rewrite
+from tile_pass import _region_match, _settings, _splice, rewrite
 
 N, H, V = 12, 8, 40
 
@@ -51,10 +51,10 @@ def _after(real):
 PHASES = {
     "cross entropy matching": (cross_entropy_loss, _region_match, "match_row_region", lambda real: _raise),
     "cross entropy planning": (cross_entropy_loss, rewrite, "choose_tile_tokens", lambda real: _raise),
-    "cross entropy rewriting": (cross_entropy_loss, _region_match, "rewrite_row_region", _after),
+    "cross entropy rewriting": (cross_entropy_loss, _splice, "rewrite_row_region", _after),
     "z-loss matching": (z_loss, _region_match, "match_row_region", lambda real: _raise),
     "z-loss planning": (z_loss, rewrite, "choose_tile_tokens", lambda real: _raise),
-    "z-loss rewriting": (z_loss, _region_match, "rewrite_row_region", _after),
+    "z-loss rewriting": (z_loss, _splice, "rewrite_row_region", _after),
 }
 
 

@@ -17,7 +17,8 @@ as many outputs as the user's code takes from it. The matcher runs in phases:
 4. **the scalar loss** (:meth:`RegionMatcher.scalar_loss`): when the differentiable outputs
    reach exactly one scalar through token reductions linear in them, those nodes join the op,
    which then forms the whole gradient in forward (:mod:`tile_pass.tiled_region`);
-5. **the rewrite** (:func:`rewrite_row_region`): one call to :func:`tile_pass.tiled_region.run_region`.
+5. **the rewrite** (:func:`tile_pass._splice.rewrite_row_region`): one call to
+   :func:`tile_pass.tiled_region.run_region`.
 
 Anything unproven raises :class:`~tile_pass._fx.NoMatch` with the op and the line that
 stopped the region, and the graph is left as it was.
@@ -37,8 +38,8 @@ from tile_pass import _fx, _region, _rules
 from tile_pass._fx import NoMatch, as_linear, describe, leading_index, same, same_shape, val
 from tile_pass._logging import log
 from tile_pass._region import Layout, Output, ReductionProgram, Ref, RefKind, RowProgram, Step, target_name
-from tile_pass._returned_logits import ReturnedLogits
-from tile_pass._rules import PREVIOUS_STEP, AfterTiles, Classified, RuleKind, Shape, TokenReduction
+from tile_pass._rules import PREVIOUS_STEP, AfterTiles, Classified, RuleKind, Shape
+from tile_pass._token_layout import after_tiles, restore, select
 from tile_pass.report import source_line
 
 _ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
@@ -155,83 +156,6 @@ def _projection_like(node: torch.fx.Node) -> bool:
         return as_linear(node) is not None
     except NoMatch:
         return True
-
-
-def _after_tiles(flat: torch.Tensor, how: TokenReduction, hidden: torch.Tensor, flat_tokens: bool, *operands):
-    """The token reduction an op folded in (``F.cross_entropy(reduction="mean")``, a full
-    ``sum()``/``mean()``, ``kl_div(reduction="batchmean")``), finished on the tiles'
-    per-token values exactly as eager defines it."""
-    total = flat.sum()
-    if how is TokenReduction.SUM:
-        return total
-    if how is TokenReduction.DIV_ELEMENTS:
-        return total / (flat.shape[0] * operands[0])
-    if how is TokenReduction.DIV_TOKENS:
-        return total / flat.shape[0]
-    if how is TokenReduction.DIV_FIRST_DIM:  # input.size(0), as the user's graph shaped the input
-        return total / (flat.shape[0] if flat_tokens else hidden.shape[0])
-    if how is TokenReduction.MEAN_VALID:
-        target, class_weight, ignore_index = operands
-        valid = target != ignore_index
-        if class_weight is None:
-            return total / valid.sum()
-        safe = torch.where(valid, target, 0).clamp(0, class_weight.shape[0] - 1)
-        return total / torch.where(valid, class_weight[safe], 0).sum()
-    raise ValueError(f"unknown token reduction {how!r}")
-
-
-def _per_token(x: torch.Tensor, hidden: torch.Tensor, flat_tokens: bool, part_dims: int) -> torch.Tensor:
-    """A per-token operand as the tiles take it: ``[N, *part]``, broadcast token dims expanded."""
-    part = tuple(x.shape[x.dim() - part_dims :]) if part_dims else ()
-    tokens = (math.prod(hidden.shape[:-1]),) if flat_tokens else tuple(hidden.shape[:-1])
-    return x.expand(*tokens, *part).reshape(-1, *part)
-
-
-def _spread(x: torch.Tensor, hidden: torch.Tensor, flat_tokens: bool, part_dims: int, subset: tuple):
-    """A per-token operand of a selection of the token rows (``y[:B]`` beside ``logits[:B]``) as the
-    tiles take it: ``[N, *part]`` over all rows, its own rows at the selection and, elsewhere, a
-    copy of its first row (finite wherever the data is; the outputs there are never read and get
-    zero tangents, so they add exactly nothing to any gradient)."""
-    part = tuple(x.shape[x.dim() - part_dims :]) if part_dims else ()
-    tokens = tuple(hidden.shape[:-1])
-    picked = tuple(hidden[subset].shape[:-1])
-    x = x.expand(*((math.prod(picked),) if flat_tokens else picked), *part).reshape(*picked, *part)
-    if x.numel() == 0:
-        full = x.new_zeros((*tokens, *part))
-    else:
-        full = x.reshape(-1, *part)[:1].expand(math.prod(tokens), *part).reshape(*tokens, *part).clone()
-    full[subset[:-1]] = x
-    return full.reshape(-1, *part)
-
-
-def _select(flat: torch.Tensor, hidden: torch.Tensor, subset: tuple) -> torch.Tensor:
-    """The rows of a selection (``subset``, an index over the hidden states' token dims) of a
-    per-token output the tiles computed on all rows, flat."""
-    part = tuple(flat.shape[1:])
-    return flat.view(*hidden.shape[:-1], *part)[subset[:-1]].reshape(-1, *part)
-
-
-def _restore(flat: torch.Tensor, hidden: torch.Tensor, flat_tokens: bool) -> torch.Tensor:
-    """A flat output of the tiles in the shape the user's graph gave it."""
-    return flat if flat_tokens else flat.view(*hidden.shape[:-1], *flat.shape[1:])
-
-
-class _ProgramPrefix(torch.nn.Module):
-    """The returned rows of a region, computed whole, for the gradient path of logits that are
-    also returned (see :mod:`tile_pass._returned_logits`): the same program, on all tokens."""
-
-    def __init__(self, program: RowProgram, output: int, flat_tokens: bool, has_bias: bool):
-        super().__init__()
-        self.program, self.output, self.flat_tokens, self.has_bias = program, output, flat_tokens, has_bias
-
-    def forward(self, hidden, weight, *rest):
-        bias, rest = (rest[0], rest[1:]) if self.has_bias else (None, rest)
-        count = len(self.program.token_layouts)
-        flat = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
-        outputs = _region.run_program(
-            self.program, flat, weight, bias, list(rest[:count]), list(rest[count:])
-        )
-        return _restore(outputs[self.output], hidden, self.flat_tokens)
 
 
 # ------------------------------------------------------------------------------ matcher
@@ -875,7 +799,7 @@ class RegionMatcher:
         for k, out in enumerate(outputs):
             flat, read, rows = out.flat_tokens, Ref(RefKind.OUTPUT, k), hidden
             if out.subset is not None:  # the selection's rows of what the tiles computed on all rows
-                steps.append(self.step(out.node, _select, (read, hidden, out.subset)))
+                steps.append(self.step(out.node, select, (read, hidden, out.subset)))
                 read = Ref(RefKind.VALUE, len(steps) - 1)
                 steps.append(self.step(out.node, operator.getitem, (hidden, out.subset)))
                 rows = Ref(RefKind.VALUE, len(steps) - 1)
@@ -885,9 +809,9 @@ class RegionMatcher:
                 except NoMatch:  # labels or class weights computed from the logits
                     return None
                 args = (read, out.after_tiles.how, rows, flat, *operands)
-                steps.append(self.step(out.node, _after_tiles, args))
+                steps.append(self.step(out.node, after_tiles, args))
             else:
-                steps.append(self.step(out.node, _restore, (read, rows, flat)))
+                steps.append(self.step(out.node, restore, (read, rows, flat)))
             env[out.node] = Ref(RefKind.VALUE, len(steps) - 1)
             if out.differentiable:
                 linear.add(out.node)
@@ -1064,167 +988,3 @@ def _build_region(matcher: RegionMatcher, outputs: list[RegionOutput]) -> RowReg
         dropped=matcher.dropped, kept_whole=matcher.kept_whole, slices=matcher.slices,
         num_tokens=matcher.num_tokens,
     )  # fmt: skip
-
-
-# ------------------------------------------------------------------------------ rewrite
-
-
-def _to_hoist(graph: torch.fx.Graph, nodes, point: torch.fx.Node, autocast_states) -> list[torch.fx.Node]:
-    """The op's inputs defined after ``point`` (its insertion point), in an order they can be
-    moved before it: pure torch ops only, in the same autocast context as ``point``."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    moving: list[torch.fx.Node] = []
-
-    def need(node):
-        if not isinstance(node, torch.fx.Node) or order[node] < order[point] or node in moving:
-            return
-        if _rules.rule_for(node) is None and node.target != "expand":
-            raise NoMatch("{} is computed after the logits are first read and cannot be moved before the "
-                          "tiled region; compute it before the LM head", node)  # fmt: skip
-        if autocast_states.get(node, ()) != autocast_states.get(point, ()):
-            raise NoMatch("{} is computed in another autocast context than the region's first reader", node)
-        for arg in node.all_input_nodes:
-            need(arg)
-        moving.append(node)
-
-    for node in nodes:
-        need(node)
-    return moving
-
-
-def rewrite_row_region(
-    graph: torch.fx.Graph,
-    region: RowRegion,
-    *,
-    tile_tokens: int,
-    compile_tiles: bool,
-    result,
-    autocast_states,
-) -> str:
-    """Replace the region by one call of :func:`tile_pass.tiled_region.run_region`; returns how
-    returned rows were handled. Raises ``NoMatch`` before changing anything."""
-    from tile_pass.tiled_region import run_region
-
-    members = set(region.nodes) | set(region.reduction_nodes)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    readers = [u for n in members for u in n.users if u not in members]
-    point = min(readers, key=order.__getitem__)
-    inputs = [region.hidden, region.weight, region.bias, *[t.node for t in region.token_inputs],
-              *[r.node for r in region.row_inputs], *region.reduce_inputs]  # fmt: skip
-    torch.fx.node.map_arg(region.slices, inputs.append)  # symbolic slice bounds
-    for node in _to_hoist(graph, inputs, point, autocast_states):
-        point.prepend(node)
-
-    economy = region.program.reduction is not None
-    existing = set(graph.nodes)
-    with graph.inserting_before(point):
-        tokens = region.hidden  # the rows the tiles run: the hidden states after the token slices
-        for index in region.slices:
-            tokens = graph.call_function(operator.getitem, (tokens, index))
-        hidden, weight, bias = tokens, region.weight, region.bias
-        if bias is not None and val(bias).dim() != 1:  # a [1, 1, V] bias added after the matmul
-            bias = graph.call_method("reshape", (bias, (-1,)))
-        if region.autocast_dtype is not None:  # what autocast does to F.linear's inputs
-            hidden, weight = (graph.call_method("to", (t, region.autocast_dtype)) for t in (hidden, weight))
-            if bias is not None:
-                bias = graph.call_method("to", (bias, region.autocast_dtype))
-
-        def given(entry):  # what the op takes: detached unless a node that needs a gradient reads it
-            needs = getattr(val(entry.node), "requires_grad", False) and not entry.differentiable
-            return graph.call_method("detach", (entry.node,)) if needs else entry.node
-
-        token_nodes = [
-            graph.call_function(_per_token, (given(t), tokens, t.flat_tokens, len(t.part)))
-            if t.subset is None
-            else graph.call_function(_spread, (given(t), tokens, t.flat_tokens, len(t.part), t.subset))
-            for t in region.token_inputs
-        ]  # fmt: skip
-        row_nodes = [
-            given(r) if r.whole else graph.call_method("reshape", (given(r), () if r.zero_dim else (-1,)))
-            for r in region.row_inputs
-        ]
-        if region.program.shard is not None and hasattr(val(region.weight), "device_mesh"):  # DTensors
-            from tile_pass._distributed import run_sharded_region as run_region
-        reduce_nodes = [tokens if n is region.hidden else n for n in region.reduce_inputs]
-        call = graph.call_function(
-            run_region, (hidden, weight, bias, token_nodes, row_nodes, reduce_nodes),
-            {"program": region.program.key, "tile_tokens": tile_tokens, "compile_tiles": compile_tiles},
-        )  # fmt: skip
-        offset = 1 if economy else 0
-        restored = {}
-        for k, out in enumerate(region.outputs):
-            if economy and out.node is region.sink:  # the op's loss (below) replaces it
-                continue
-            flat = graph.call_function(operator.getitem, (call, k + offset))
-            rows = tokens
-            if out.subset is not None:
-                flat = graph.call_function(_select, (flat, tokens, out.subset))
-                rows = graph.call_function(operator.getitem, (tokens, out.subset))
-            if out.after_tiles is not None:
-                after = out.after_tiles
-                args = (flat, after.how, rows, out.flat_tokens, *after.operands)
-                value = graph.call_function(_after_tiles, args)
-            else:
-                value = graph.call_function(_restore, (flat, rows, out.flat_tokens))
-            restored[out.node] = value
-            out.node.replace_all_uses_with(value, delete_user_cb=lambda user: user not in members)
-        if economy:
-            loss = graph.call_function(operator.getitem, (call, 0))
-            loss.meta.update(region.sink.meta)
-            region.sink.replace_all_uses_with(loss)
-
-    anchor = (region.sink or region.outputs[0].node).meta.get("stack_trace")
-    for node in graph.nodes:  # the inserted nodes show the loss's line in dumps and traces
-        if node not in existing and anchor and not node.meta.get("stack_trace"):
-            node.meta["stack_trace"] = anchor
-    handled = "not returned"
-    if region.kept_whole:
-        handled = (
-            "returned whole, as the graph computes them (the caller asked for all of them); the loss "
-            "tiles the sliced hidden states, so the loss's own float32 copy and gradient of the logits "
-            "are not formed"
-        )
-    output = next(n for n in graph.nodes if n.op == "output")
-    outputs = list(output.args[0])
-    returned = [o for o in region.outputs if o.shape.layout is Layout.ROWS]
-    if returned or region.dropped:
-        if result.num_outputs == 0:
-            result.num_outputs = len(outputs)
-        extra_base = len(outputs) - result.num_outputs
-        extras: list[torch.fx.Node] = []
-        for node in region.dropped:
-            for position in [i for i, n in enumerate(outputs) if n is node]:
-                outputs[position] = None
-                result.returned_logits.append(ReturnedLogits(
-                    position, [extra_base + len(extras)], None, val(region.weight).shape[0], val(node).dtype
-                ))  # fmt: skip
-                extras.append(region.hidden)
-            handled = "dropped (drop_logits=True): a zero-byte NaN placeholder is returned"
-        prefix_inputs = [hidden, weight, *([bias] if bias is not None else []), *token_nodes, *row_nodes]
-        for out in returned:
-            k = region.outputs.index(out)
-            for position in [i for i, n in enumerate(outputs) if n is restored[out.node]]:
-                if out.differentiable:
-                    prefix = _ProgramPrefix(region.program, k, out.flat_tokens, region.bias is not None)
-                    first = extra_base + len(extras)
-                    result.returned_logits.append(
-                        ReturnedLogits(position, list(range(first, first + len(prefix_inputs))), prefix)
-                    )
-                    extras += prefix_inputs
-            handled = (
-                "returned exactly, written by the tiles (no extra GEMM) in the dtype the graph returns, and "
-                "its gradient is computed only if the caller uses it"
-            )
-        output.args = ((*outputs, *extras),)
-    kept: set[torch.fx.Node] = set()  # the returned rows before a slice, and what they are computed from
-    stack = list(region.kept_whole)
-    while stack:
-        node = stack.pop()
-        if node in members and node not in kept:
-            kept.add(node)
-            stack.extend(node.all_input_nodes)
-    for node in sorted(members - kept, key=order.__getitem__, reverse=True):
-        if node.users:
-            raise RuntimeError(f"tile_pass: internal error, {describe(node)} is still read after the rewrite")
-        graph.erase_node(node)
-    return handled

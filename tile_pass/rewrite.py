@@ -22,7 +22,7 @@ try:  # torch >= 2.13
 except ImportError:  # torch 2.11/2.12: the same unguarded hint, under its older name
     from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
-from tile_pass import _region_match, _rules, _weight_grad
+from tile_pass import _region_match, _rules, _splice, _weight_grad
 from tile_pass._fold_loops import fold_row_loops
 from tile_pass._fx import NoMatch, as_linear, describe, val
 from tile_pass._logging import log
@@ -208,7 +208,7 @@ def _rewrite_row_regions(
             current[:] = [region.projection, region.sink or region.outputs[0].node]
             covered = set(region.nodes) | set(region.reduction_nodes)
             loss_line = source_line(region.sink or region.outputs[0].node)
-            handled = _region_match.rewrite_row_region(
+            handled = _splice.rewrite_row_region(
                 gm.graph, region, tile_tokens=tile, compile_tiles=options.runs_compiled_tiles, result=result,
                 autocast_states=states,
             )  # fmt: skip
