@@ -195,8 +195,30 @@ def _modules():
 
     import tile_pass
 
-    names = ("_tile_kernel", "_tile_passes", "_tiling", "_weight_grad", "_split_sum_cpu", "tiled_region")
+    names = (
+        "_tile_kernel",
+        "_tile_passes",
+        "_tiling",
+        "_weight_grad",
+        "_split_sum_cpu",
+        "tiled_region",
+        "_plan",
+    )
     return tile_pass, {name: importlib.import_module(f"tile_pass.{name}") for name in names}
+
+
+def _need(args) -> list[bool]:
+    """A region op's ``need`` flags for ``args`` (``(..., hidden, weight, bias, token_inputs,
+    row_inputs)``): the hidden states, the weight and the bias where there is one."""
+    _, _, bias, token_inputs, row_inputs = args[-5:]
+    return [True, True, bias is not None] + [False] * (len(token_inputs) + len(row_inputs))
+
+
+def _call(node):
+    """The :class:`tile_pass._plan.RegionCall` a rewritten graph's ``run_region`` node carries."""
+    from tile_pass._plan import RegionCall
+
+    return RegionCall.parse(node.kwargs["call"])
 
 
 def _fake_mode():
@@ -453,20 +475,24 @@ def _check_cross_entropy_rewrite(dtype, returns_logits):
     if returns_logits:
         assert rewrite.returned_logits.startswith("returned exactly, written by the tiles"), rewrite
     calls = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "run_region"]
-    assert len(calls) == 1 and calls[0].kwargs["compile_tiles"] is True
-    assert calls[0].kwargs["tile_tokens"] == tiling.TileSize(largest, True)
+    assert len(calls) == 1 and _call(calls[0]).compile_tiles is True
+    assert _call(calls[0]).tile == tiling.TileSize(largest, True)
 
     with mode:
         loss.backward()  # the op's backward (the chain rule for a scalar) on the fake device
     _assert_fake_cuda(h.grad, (B, T, H), dtype, "hidden gradient")
     _assert_fake_cuda(w.grad, (V, H), dtype, "weight gradient")
 
-    with _recorded_inductor() as handed, _implementations(), mode:
+    with _recorded_inductor() as handed, _implementations(), mode, m["_plan"].recorded() as plans:
         # the rewritten graph with its tile loop, run (and traced) on the fake device
         traced = make_fx(gm, tracing_mode="fake")(h, w, y)
-    rows, tiles, loop_tile, loop_schedule = m["_tiling"].last_tiles
-    assert (rows, loop_tile, tiles) == (N, tile, -(-N // tile))  # every token: no skipping on a GPU
-    assert loop_schedule == schedule
+    ran = plans[-1]
+    assert (ran.rows, ran.tile, ran.num_tiles) == (
+        N,
+        tile,
+        -(-N // tile),
+    )  # every token: no skipping on a GPU
+    assert ran.schedule == schedule
     out = [n.meta["val"] for n in next(n for n in traced.graph.nodes if n.op == "output").args[0]]
     _assert_fake_cuda(out[0], (), torch.float32, "loss from the tile loop")
     if returns_logits:
@@ -512,9 +538,7 @@ def _check_row_region_rewrite(dtype, form, compiled):
     assert (rewrite.tile_tokens, rewrite.compiled_tiles) == (tile, compiled), str(rewrite)
     (call,) = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "run_region"]
     cpu = tiling.choose_tile_tokens(V, dtype, upcast, device="cpu", fused=compiled)
-    assert call.kwargs["tile_tokens"] == tiling.TileSize(largest, True) != tiling.TileSize(cpu, True), (
-        call.kwargs
-    )
+    assert _call(call).tile == tiling.TileSize(largest, True) != tiling.TileSize(cpu, True), call.kwargs
     schedule = "two 16-bit planes" if dtype == torch.bfloat16 else "float32 sum ("
     assert schedule in rewrite.weight_grad_sum, rewrite.weight_grad_sum
     with mode:
@@ -551,9 +575,8 @@ def _check_row_region_rewrite(dtype, form, compiled):
             hidden, weight, bias, token_inputs, row_inputs = args
             tangents = [torch.ones(N, dtype=dtype, device=CUDA)]
             grads = region_op._row_region_backward(  # its implementation, by _implementations
-                tangents, hidden, weight, bias, token_inputs, row_inputs, **kwargs,
-                need_hidden=True, need_weight=True, need_bias=False, need_rows=[], need_tokens=[],
-            )  # fmt: skip
+                tangents, hidden, weight, bias, token_inputs, row_inputs, **kwargs, need=_need(args)
+            )
             _assert_fake_cuda(grads[0], (N, H), dtype, "row_region_backward: hidden gradient")
             _assert_fake_cuda(grads[1], (V, H), dtype, "row_region_backward: weight gradient")
         traced = make_fx(gm, tracing_mode="fake")(h, w, y)
@@ -585,7 +608,7 @@ def _captured_program(fn, inputs) -> str:
         with mock.patch.object(_modules()[1]["_tiling"], "_free_gpu_memory", lambda device_index: 6 << 30):
             gm = _capture(fn, inputs)[4]
         (call,) = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "run_region"]
-        _PROGRAMS[key] = call.kwargs["program"]
+        _PROGRAMS[key] = _call(call).program
     return _PROGRAMS[key]
 
 
@@ -679,7 +702,7 @@ def _capture_z_loss_program(dtype):
     if dtype not in _Z_LOSS_PROGRAMS:
         gm = _capture(_z_loss, [((2, 64, 32), dtype), ((300, 32), dtype), ((2, 64), 300)])[4]
         (call,) = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "run_region"]
-        _Z_LOSS_PROGRAMS[dtype] = call.kwargs["program"]
+        _Z_LOSS_PROGRAMS[dtype] = _call(call).program
     return _Z_LOSS_PROGRAMS[dtype]
 
 
@@ -739,11 +762,12 @@ def _check_tile_loops(dtype, reduction, compiled):
     gradients."""
     tile_pass, m = _modules()
     _quiet()
-    tiling = m["_tiling"]
     N, H, V = 300, 64, 1000
     label_smoothing = 0.1 if reduction == "mean" else 0.0
     context = _recorded_inductor() if compiled else contextlib.nullcontext([])
-    with context as handed, _recorded_implementations() as calls, _patch_cuda_memory(6 << 30), _fake_mode():
+    recorded = m["_plan"].recorded()
+    memory = _patch_cuda_memory(6 << 30)
+    with context as handed, _recorded_implementations() as calls, memory, _fake_mode(), recorded as plans:
         for bias, class_weights in ((False, False), (True, reduction != "none")):
             calls.clear()
             h, w, b, y, cw = _loop_inputs(N, H, V, dtype, bias=bias, class_weights=class_weights)
@@ -752,18 +776,18 @@ def _check_tile_loops(dtype, reduction, compiled):
                 tile_tokens=128, compile_tiles=compiled,
             )  # fmt: skip
             _assert_fake_cuda(loss, (N,) if reduction == "none" else (), torch.float32, "loss")
-            rows, tiles, loop_tile, schedule = tiling.last_tiles  # tiles of 128: two and one of 44 rows
-            assert (rows, tiles, loop_tile) == (N, 3, 128), tiling.last_tiles
+            ran = plans[-1]  # tiles of 128: two and one of 44 rows
+            assert (ran.rows, ran.num_tiles, ran.tile) == (N, 3, 128), ran
+            schedule = ran.schedule
             ((name, args, kwargs, result),) = calls
             leaves = [t for t in (h, w, b) if t is not None]
             if reduction == "none":  # the vector-Jacobian product re-runs the tiles
                 assert name == "_row_region"
                 grads = m["tiled_region"]._row_region_backward(
-                    [torch.ones(N, device=CUDA)], *args, **kwargs,
-                    need_hidden=True, need_weight=True, need_bias=b is not None, need_rows=[], need_tokens=[],
-                )  # fmt: skip
+                    [torch.ones(N, device=CUDA)], *args, **kwargs, need=_need(args)
+                )
             else:  # the gradients at unit upstream gradient, formed in forward
-                assert name == "_row_region_loss" and kwargs["need_bias"] == (b is not None)
+                assert name == "_row_region_loss" and kwargs["need"][2] == (b is not None)
                 assert schedule.value == ("split" if dtype == torch.bfloat16 else "float32"), schedule
                 grads = result[1:4]
             for grad, leaf, what in zip(grads, leaves, ("hidden", "weight", "bias"), strict=False):
@@ -792,14 +816,20 @@ def _check_tile_loop_plan(dtype):
     )
     assert schedule.value == ("split" if upcast else "float32")
     memory = _patch_cuda_memory(80 << 30)
-    with _recorded_inductor() as handed, _recorded_implementations() as calls, memory, _fake_mode():
+    recorded = m["_plan"].recorded()
+    implementations = _recorded_implementations()
+    with _recorded_inductor() as handed, implementations as calls, memory, _fake_mode(), recorded as plans:
         h, w, _, y, _ = _loop_inputs(N, H, V, dtype)
         loss = tile_pass.linear_cross_entropy(h, w, y, compile_tiles=True)
         _assert_fake_cuda(loss, (), torch.float32, "loss")
         ((_, _, _, result),) = calls
         _assert_fake_cuda(result[1], (N, H), dtype, "hidden gradient")
         _assert_fake_cuda(result[2], (V, H), dtype, "weight gradient")
-    assert tiling.last_tiles == (N, -(-N // tile), tile, schedule), (tiling.last_tiles, tile, schedule)
+    ran = plans[-1]
+    assert (ran.rows, ran.num_tiles, ran.tile, ran.schedule) == (N, -(-N // tile), tile, schedule), (
+        ran,
+        tile,
+    )
     _assert_middles_for_cuda(handed, "128k-vocabulary step")
     return "ok"
 
@@ -816,7 +846,6 @@ def _check_traced_loops(dtype, compiled):
     N, H, V = 300, 64, 1000
 
     region_op = _modules()[1]["tiled_region"]
-    flags = dict(need_hidden=True, need_weight=True, need_bias=True, need_rows=[], need_tokens=[])
 
     def calls_to_trace(name, args, kwargs, mode):
         implementation = getattr(region_op, name)
@@ -825,7 +854,12 @@ def _check_traced_loops(dtype, compiled):
             with mode:
                 tangents = [torch.ones(N, device=CUDA)]
             backward = region_op._row_region_backward
-            yield "_row_region_backward", lambda t, *a: backward(t, *a, **kwargs, **flags), (tangents, *args)
+            need = _need(args)
+            yield (
+                "_row_region_backward",
+                lambda t, *a: backward(t, *a, **kwargs, need=need),
+                (tangents, *args),
+            )
 
     context = _recorded_inductor() if compiled else contextlib.nullcontext([])
     with context, _recorded_implementations() as calls, _patch_cuda_memory(6 << 30):

@@ -24,7 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tile_pass
-from tile_pass import _textbook, _tiling
+from tile_pass import _plan, _textbook, _tiling
+from tile_pass._plan import RegionCall
+from tile_pass._tiling import TileSize
 from tile_pass.tiled_region import _row_region, _row_region_backward, _row_region_loss
 
 # ------------------------------------------------------------------ 1. double backward
@@ -161,14 +163,14 @@ def test_fake_implementations_agree_with_the_real_ops(layout, need):
     of every output (the stride mismatch that crashed Inductor was one of these)."""
     hidden, weight, target = layout_inputs(layout, 21, 8, 13, torch.float32, "cpu", seed=1)
     bias = torch.randn(13) if need[2] else None
-    flags = dict(need_hidden=need[0], need_weight=need[1], need_bias=need[2], need_rows=[], need_tokens=[])
+    flags = dict(need=[need[0], need[1], need[2], False])  # hidden, weight, bias, the label
     for reduction, scale in (("mean", None), ("sum", 0.5), ("none", None)):
         options = _textbook.Options(
             13, 8, torch.float32, "cpu", bias is not None, False, False, False, scale, None, -100, 0.0,
-            reduction, 8, None, False,
+            reduction, _textbook.constant_tiling(tile_pass.TileOptions(8, compile_tiles=False, strict=True)),
         )  # fmt: skip
         program = _program_of(options)
-        common = dict(program=program, tile_tokens=8, auto_tile=False, compile_tiles=False)
+        common = dict(call=RegionCall(program, TileSize(8), False).key)
         fake = ("test_faketensor",)
         if reduction != "none":  # the scalar loss, its gradient formed in forward
             args = (hidden, weight, bias, [target], [], [target, hidden])
@@ -189,7 +191,7 @@ def _program_of(options) -> str:
     from tile_pass.tiled_region import run_region
 
     graph = _textbook._build(options).graph
-    return next(n for n in graph.nodes if n.target is run_region).kwargs["program"]
+    return RegionCall.parse(next(n for n in graph.nodes if n.target is run_region).kwargs["call"]).program
 
 
 def _eager(hidden, weight, target, bias, reduction, label_smoothing):
@@ -311,20 +313,23 @@ def test_explain_reports_the_tile_the_backend_runs():
     planned = tile_pass.default_backend()
     assert "compile_tiles=True" in repr(planned)
 
-    _tiling.last_tiles = None
     # the default backend's plan run with its inner compiler swapped for eager (the tiles
     # themselves are compiled by Inductor, as under backend="tile_pass")
     runner = tile_pass.backend("eager", compile_tiles=True)
     torch._dynamo.reset()
-    torch.compile(head, backend=runner)(hidden, weight, target)
+    with _plan.recorded() as plans:
+        torch.compile(head, backend=runner)(hidden, weight, target)
     # 128 MiB of [tile, V] buffers: one per token before torch 2.13's in-place gradient, else two;
     # on a CPU whose last-level cache is smaller than that, the tiles that fit it (not below 256)
     budget = 1024 if _tiling.STORE_GRAD_OVER_LOGITS else 512
     row_bytes = _tiling.tile_bytes_per_token(v, torch.float32, False, fused=True)
     expected = _tiling.effective_tile(n, _tiling.TileSize(budget, automatic=True), row_bytes)
     assert expected == budget or expected < budget and _tiling.last_level_cache_bytes() < budget * row_bytes
-    tokens, tiles, tile, _schedule = _tiling.last_tiles  # what the tile loop ran
-    assert (tokens, tile) == (n, rewrite.tile_tokens) == (n, expected) and tiles == rewrite.num_tiles
+    ran = plans[-1]  # what the tile loop ran
+    assert (ran.rows, ran.tile) == (n, rewrite.tile_tokens) == (
+        n,
+        expected,
+    ) and ran.num_tiles == rewrite.num_tiles
     assert rewrite.num_tiles == n // expected
     assert runner.report().rewrites[0].tile_tokens == rewrite.tile_tokens
 

@@ -417,7 +417,7 @@ def test_report_says_which_tokens_the_tiles_skip_or_why_none(fn, expected):
 def test_the_report_gives_the_plan_the_tiles_ran(tokens, dtype, autocast, tile_tokens):
     """``explain`` plans from the sizes and the loop from the batch, with one planner: for a
     batch whose every token counts they must agree on the tile, the tiles and the sum."""
-    from tile_pass import _tiling
+    from tile_pass import _plan
     from tile_pass.rewrite import _weight_grad_sum
 
     g = torch.Generator().manual_seed(0)
@@ -425,17 +425,16 @@ def test_the_report_gives_the_plan_the_tiles_ran(tokens, dtype, autocast, tile_t
     w = torch.randn(2000, 32, generator=g).to(dtype).requires_grad_()
     y = torch.randint(0, 2000, (tokens,), generator=g)
     backend = tile_pass.backend("aot_eager", tile_tokens=tile_tokens)
-    _tiling.last_tiles = None
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with _plan.recorded() as plans, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = torch.compile(lambda h, w, y: F.cross_entropy(F.linear(h, w).float(), y), backend=backend)(
             h, w, y
         )
     loss.backward()
     (rewrite,) = backend.report().rewrites
-    rows, num_tiles, tile, schedule = _tiling.last_tiles
-    assert rows == tokens
-    assert (rewrite.tile_tokens, rewrite.num_tiles) == (tile, num_tiles)
-    assert rewrite.weight_grad_sum == _weight_grad_sum(schedule, torch.bfloat16 if autocast else dtype)
+    (ran,) = plans  # one loop: the loss's gradient is formed in forward
+    assert ran.rows == tokens
+    assert (rewrite.tile_tokens, rewrite.num_tiles) == (ran.tile, ran.num_tiles)
+    assert rewrite.weight_grad_sum == _weight_grad_sum(ran.schedule, torch.bfloat16 if autocast else dtype)
 
 
 def test_a_dynamic_size_is_reported_with_its_value_at_compile():

@@ -3,7 +3,7 @@
 A token is left out of the tiles where every output the caller needs is zero whatever its
 logits (a cross entropy's ignored label, a product with a zero mask, ``where(mask, x, 0)``)
 or reaches the scalar loss with a zero token weight (a mask applied in the reduction). The
-plan the tiles ran (``tile_pass._tiling.last_tiles``: rows, tiles, tile, schedule) shows
+plan the tiles ran (``tile_pass._plan.recorded()``: rows, tile, schedule per loop) shows
 it; the loss and gradients stay float64 eager's, with a fully masked tile and uneven counts.
 """
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import assert_close_to_oracle, leaves
 
 import tile_pass
-from tile_pass import _tiling
+from tile_pass import _plan
 
 N, H, V, TILE = 40, 16, 53, 8
 
@@ -76,8 +76,9 @@ def test_tiles_run_only_the_tokens_that_count(fn):
     backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
     compiled = torch.compile(fn, backend=backend)
     hc, wc = leaves(h, w)
-    out = compiled(hc, wc, y, mask)
-    ran = _tiling.last_tiles[0]
+    with _plan.recorded() as plans:
+        out = compiled(hc, wc, y, mask)
+    ran = plans[-1].rows
     assert backend.report().rewrites, backend.report()
     tangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     grads = torch.autograd.grad(out, (hc, wc), tangent)
@@ -98,9 +99,10 @@ def test_a_non_finite_hidden_state_at_a_masked_token_keeps_eagers_nan():
     h, w, y, mask = _inputs()
     h[3] = float("nan")  # a masked token
     compiled = torch.compile(masked_grpo, backend=tile_pass.backend("aot_eager", tile_tokens=TILE))
-    out = compiled(*leaves(h, w), y, mask)
+    with _plan.recorded() as plans:
+        out = compiled(*leaves(h, w), y, mask)
     assert torch.isnan(masked_grpo(h, w, y, mask)) and torch.isnan(out)
-    assert _tiling.last_tiles[0] == N
+    assert plans[-1].rows == N
 
 
 def test_an_ignored_label_skips_even_a_non_finite_token():
@@ -115,12 +117,13 @@ def test_an_ignored_label_skips_even_a_non_finite_token():
         return (ce + 1e-2 * z).sum() / (y != -100).sum()
 
     backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
-    out = torch.compile(ce_and_z_loss_of_labelled, backend=backend)(h, w, y)
+    with _plan.recorded() as plans:
+        out = torch.compile(ce_and_z_loss_of_labelled, backend=backend)(h, w, y)
     assert backend.report().rewrites
     eager = ce_and_z_loss_of_labelled(h, w, y)
     assert torch.isfinite(eager)
     torch.testing.assert_close(out, eager)
-    assert _tiling.last_tiles[0] == int((y != -100).sum())
+    assert plans[-1].rows == int((y != -100).sum())
 
 
 def test_zero_expressions_combine_their_parts_flags_and_exactness():

@@ -18,7 +18,7 @@ the tiles sums the shares, as the replicated hidden states require (``tiled_regi
 
 Two ways in: a Dynamo graph whose example values are DTensors (torchtitan's
 ``ColwiseParallel(output_layouts=Shard(-1))``; the matcher reads the shard from them, the
-rewritten graph calls :func:`run_sharded_region`), and :func:`tile_pass.linear_cross_entropy`
+rewritten graph's `run_region` runs on the local shards, :func:`on_local_shards`), and :func:`tile_pass.linear_cross_entropy`
 with a ``Shard(0)`` weight (:func:`local_head` unwraps it; its textbook region is matched with
 the shard given explicitly, :data:`VOCAB_SHARD_META`).
 """
@@ -179,14 +179,11 @@ def shard_step(step, group_name: str, vocab_start: int, vocab_size: int):
     )
 
 
-def run_sharded_region(hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, *, program: str,
-                       tile_tokens: int, compile_tiles: bool):  # fmt: skip
-    """What the rewritten graph calls for a region of a vocabulary-sharded head: the region op
-    on this rank's local pieces, its outputs (every one per token, hence the same on every
-    rank) returned as replicated DTensors, as ``loss_parallel`` returns them."""
+def on_local_shards(run, hidden, weight, bias, token_inputs, row_inputs, reduce_inputs):
+    """``run`` (the region op's entry) for a vocabulary-sharded DTensor head: on this rank's
+    local pieces, its outputs (every one per token, hence the same on every rank) returned as
+    replicated DTensors, as ``loss_parallel`` returns them."""
     from torch.distributed.tensor import DTensor, Replicate
-
-    from tile_pass.tiled_region import run_region
 
     mesh = weight.device_mesh
 
@@ -196,10 +193,7 @@ def run_sharded_region(hidden, weight, bias, token_inputs, row_inputs, reduce_in
     token_inputs, row_inputs, reduce_inputs = (
         [local(t) for t in inputs] for inputs in (token_inputs, row_inputs, reduce_inputs)
     )
-    outputs = run_region(
-        local(hidden), weight.to_local(), None, token_inputs, row_inputs, reduce_inputs,
-        program=program, tile_tokens=tile_tokens, compile_tiles=compile_tiles,
-    )  # fmt: skip
+    outputs = run(local(hidden), weight.to_local(), None, token_inputs, row_inputs, reduce_inputs)
     return [DTensor.from_local(out, mesh, [Replicate()], run_check=False) for out in outputs]
 
 

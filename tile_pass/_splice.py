@@ -16,6 +16,7 @@ import torch.fx
 
 from tile_pass import _region, _rules
 from tile_pass._fx import NoMatch, describe, val
+from tile_pass._plan import RegionCall
 from tile_pass._region import Layout, RowProgram
 from tile_pass._region_match import RowRegion
 from tile_pass._returned_logits import ReturnedLogits
@@ -67,8 +68,7 @@ def rewrite_row_region(
     graph: torch.fx.Graph,
     region: RowRegion,
     *,
-    tile_tokens: int,
-    compile_tiles: bool,
+    call: RegionCall,
     result,
     autocast_states,
 ) -> str:
@@ -114,12 +114,10 @@ def rewrite_row_region(
             given(r) if r.whole else graph.call_method("reshape", (given(r), () if r.zero_dim else (-1,)))
             for r in region.row_inputs
         ]
-        if region.program.shard is not None and hasattr(val(region.weight), "device_mesh"):  # DTensors
-            from tile_pass._distributed import run_sharded_region as run_region
         reduce_nodes = [tokens if n is region.hidden else n for n in region.reduce_inputs]
         call = graph.call_function(
             run_region, (hidden, weight, bias, token_nodes, row_nodes, reduce_nodes),
-            {"program": region.program.key, "tile_tokens": tile_tokens, "compile_tiles": compile_tiles},
+            {"call": call.key},
         )  # fmt: skip
         offset = 1 if economy else 0
         restored = {}

@@ -55,9 +55,6 @@ GPU_MIN_TILE_BYTES = 256 * 1024 * 1024
 GPU_MAX_TILE_BYTES = 4 * 1024 * 1024 * 1024
 
 _MIN_TILE = 16
-#: ``(rows, tiles, tile, _weight_grad.WeightGradSchedule)`` of the last tile loop run in this process
-#: (the plan depends on the labels, so it is known only at run time): the benchmark's note.
-last_tiles: tuple | None = None
 _MAX_TILE = 65536
 #: a batch is cut into at least this many tiles when the budget would allow fewer
 MIN_TILES = 8

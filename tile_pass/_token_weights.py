@@ -46,6 +46,8 @@ class _Derived:
 
 #: per program and input dtypes: the graphs traced for it (a few size classes each)
 _derived = _BoundedCache(64)
+#: per program, input dtypes and sizes: the graph whose guards those sizes pass
+_by_sizes = _BoundedCache(1024)
 _lock = threading.Lock()
 _MAX_SIZE_CLASSES = 8
 _UNTRACEABLE = "eager"
@@ -92,12 +94,18 @@ def token_weights(
     diff = [i for i, out in enumerate(program.outputs) if out.differentiable]
     args = [*outputs, *reduce_inputs]
     key = (program.key, tuple((a.dtype, a.dim(), a.device.type) for a in args))
+    sizes = (key, tuple(a.shape for a in args))  # the guards read sizes only: decided once per shape
     with _lock:
         known = _derived.get(key) or []
+        derived = _by_sizes.get(sizes)
     if known == _UNTRACEABLE:
         with _region.dispatch_as_caller():
             return _gradient_fn(program, diff)(*args)
-    derived = next((d for d in known if d.admits(args)), None)
+    if derived is None:
+        derived = next((d for d in known if d.admits(args)), None)
+        if derived is not None:
+            with _lock:
+                _by_sizes.put(sizes, derived)
     if derived is None:
         try:
             derived = on_tracing_thread(lambda: _trace(program, diff, args))

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 
 from tile_pass import _settings, _tile_buffers
-from tile_pass._tiling import MIN_AUTO_TILE, TileSize, effective_tile, padded_rows, tile_bytes_per_token
+from tile_pass._tiling import MIN_AUTO_TILE, TileSize, padded_rows
 
 #: Rows of a ``[V, H]`` plane handled at a time: bounds the int32/float32 temporaries of the
 #: eager implementation and the product block of :func:`split_accumulate_mm_`.
@@ -134,26 +134,6 @@ def plan(
     if batch_tokens is not None:
         tile = _within_half_of_unfused(tile, batch_tokens, weight_shape, weight_dtype, tile_bytes_per_token)
     return tile, schedule
-
-
-def plan_step(
-    rows: int,
-    batch: int,
-    size: TileSize,
-    weight_shape: tuple[int, int],
-    dtype: torch.dtype,
-    device: torch.device,
-    compiled: bool,
-    need_weight: bool = True,
-) -> tuple[int, WeightGradSchedule]:
-    """The tile (:func:`tile_pass._tiling.effective_tile` on the byte model) and :func:`plan` for ``rows``
-    of a ``batch``-token batch: the tile loop's plan, which ``explain`` reports from the sizes' hints."""
-    per_token = tile_bytes_per_token(weight_shape[0], dtype, dtype != torch.float32, compiled)
-    tile = effective_tile(rows, size, per_token if device.type == "cpu" else 0)
-    if not need_weight:
-        return tile, WeightGradSchedule.FLOAT32
-    acc = torch.promote_types(torch.float32, dtype)
-    return plan(rows, tile, size, weight_shape, dtype, acc, per_token, batch)
 
 
 def unfused_bytes(

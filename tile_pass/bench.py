@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tile_pass import _bench_forms
+from tile_pass import _bench_forms, _plan
 from tile_pass._measure import (
     LOSS_FORMS,
     MiB,
@@ -425,7 +425,8 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
     graphs_after_first = _graph_count()
     hidden.grad = None
     weight.grad = None
-    times, peak, loss, memory_step_s, peak_steady = measure_steps(step, device, cfg.repeats)
+    with _plan.recorded() as plans:  # what the tile loops ran: the plan depends on the labels
+        times, peak, loss, memory_step_s, peak_steady = measure_steps(step, device, cfg.repeats)
     median = statistics.median(times)
     notes = []
     fallback = [str(w.message) for w in caught if "linear_cross_entropy" in str(w.message)]
@@ -448,10 +449,12 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
                 notes.append(f"reduction={rewrites[0].reduction}")
         out["skipped"] = [skip.reason for skip in report.skipped]
         if rewrites:
-            ran = importlib.import_module("tile_pass._tiling").last_tiles  # the plan of the labels
-            out["tile_tokens"] = ran[2] if ran else rewrites[0].tile_tokens
+            ran = plans[-1] if plans else None
+            out["tile_tokens"] = ran.tile if ran else rewrites[0].tile_tokens
             notes.append(
-                f"tile={ran[2]}x{ran[1]} {ran[3].value}" if ran else f"tile={rewrites[0].tile_tokens}"
+                f"tile={ran.tile}x{ran.num_tiles} {ran.schedule.value}"
+                if ran
+                else f"tile={rewrites[0].tile_tokens}"
             )
         else:
             notes.append("NOT REWRITTEN" + (f" ({out['skipped'][0][:160]})" if out["skipped"] else ""))

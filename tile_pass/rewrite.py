@@ -27,10 +27,11 @@ from tile_pass._fold_loops import fold_row_loops
 from tile_pass._fx import NoMatch, as_linear, describe, val
 from tile_pass._logging import log
 from tile_pass._options import TileOptions
+from tile_pass._plan import RegionCall, plan_tiles
 from tile_pass._region import Layout
 from tile_pass._returned_logits import ReturnedLogits
 from tile_pass._rules import LOSS_SIGNATURES, bind
-from tile_pass._tiling import TileSize, choose_tile_tokens, tile_bytes_per_token
+from tile_pass._tiling import TileSize, choose_tile_tokens
 from tile_pass._weight_grad import WeightGradSchedule
 from tile_pass.report import GraphReport, Rewrite, Skip, logits_bytes_fields, source_line
 
@@ -98,12 +99,9 @@ def is_region_node(node: torch.fx.Node) -> bool:
     """A call the rewrite inserted, or a tile_pass op the user's code called (the functional API)."""
     if node.op != "call_function":
         return False
-    from tile_pass._distributed import run_sharded_region
     from tile_pass.tiled_region import run_region
 
-    return node.target in (run_region, run_sharded_region) or (
-        getattr(node.target, "namespace", None) == "tile_pass"
-    )
+    return node.target is run_region or (getattr(node.target, "namespace", None) == "tile_pass")
 
 
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
@@ -209,8 +207,8 @@ def _rewrite_row_regions(
             covered = set(region.nodes) | set(region.reduction_nodes)
             loss_line = source_line(region.sink or region.outputs[0].node)
             handled = _splice.rewrite_row_region(
-                gm.graph, region, tile_tokens=tile, compile_tiles=options.runs_compiled_tiles, result=result,
-                autocast_states=states,
+                gm.graph, region, call=RegionCall(region.program.key, tile, options.runs_compiled_tiles),
+                result=result, autocast_states=states,
             )  # fmt: skip
         except NoMatch as why:  # the reason replaces those of the losses it holds
             depends = why.depends or covered
@@ -222,16 +220,15 @@ def _rewrite_row_regions(
         losses[:] = [loss for loss in losses if loss not in covered]
         num_tokens = region.num_tokens
         weight, tokens = val(region.weight), optimization_hint(num_tokens, fallback=8192)  # unguarded hints
-        shape = tuple(optimization_hint(size, fallback=4096) for size in weight.shape)
-        tile_now, schedule = _weight_grad.plan_step(
-            tokens, tokens, tile, shape, dtype, weight.device, options.compile_tiles
-        )
+        # the loop's head: this rank's vocabulary rows when sharded
+        shape = (optimization_hint(vocab, fallback=4096), optimization_hint(weight.shape[1], fallback=4096))
+        tile_plan = plan_tiles(tokens, tokens, tile, shape, dtype, weight.device, options.compile_tiles)
+        tile_now, schedule = tile_plan.tile, tile_plan.schedule
         itemsize = dtype.itemsize
         returned = [val(o.node) for o in region.outputs if o.shape.layout is Layout.ROWS]
         returned += [val(node) for node in region.kept_whole]
         kept = sum(value.numel() * value.element_size() for value in returned)
-        upcast, fused = dtype != torch.float32, options.compile_tiles  # the [tile, V] buffers, as planned
-        tile_buffer = tile_now * tile_bytes_per_token(vocab, dtype, upcast, fused)
+        tile_buffer = tile_plan.tile_bytes  # the [tile, V] buffers, as planned
         outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
         shard = region.program.shard  # a vocabulary-sharded head: bytes are this rank's
         parallel = ""

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+from typing import NamedTuple
 
 import torch
 
-from tile_pass import _region, _tile_buffers, _tiling, _weight_grad
+from tile_pass import _distributed, _plan, _region, _tile_buffers, _weight_grad
 from tile_pass._higher_order import anchors, refuse_higher_order, scaled_by_upstream
+from tile_pass._plan import RegionCall, plan_tiles
 from tile_pass._region import RowProgram
 from tile_pass._tile_kernel import (
     TensorSpec,
@@ -185,29 +188,52 @@ def _skipped_rows(program: RowProgram, token_inputs, hidden, weights: dict | Non
     return (~skip).nonzero().squeeze(1)
 
 
+class _Need(NamedTuple):
+    """Which inputs a loop differentiates: the head's three, then one flag per row-shared and
+    per-token input. Crosses the op boundary flat (:meth:`flat`), as one ``list[bool]``."""
+
+    hidden: bool
+    weight: bool
+    bias: bool
+    rows: tuple[bool, ...]
+    tokens: tuple[bool, ...]
+
+    @staticmethod
+    def of(flags, num_rows: int, num_tokens: int) -> _Need:
+        flags = tuple(flags) or (False,) * (3 + num_rows + num_tokens)
+        return _Need(*flags[:3], flags[3 : 3 + num_rows], flags[3 + num_rows :])
+
+    def flat(self) -> list[bool]:
+        return [self.hidden, self.weight, self.bias, *self.rows, *self.tokens]
+
+    def any(self) -> bool:
+        return self.hidden or self.weight or self.bias or any(self.rows) or any(self.tokens)
+
+
+NO_GRADIENT = _Need(False, False, False, (), ())
+
+
 @_tile_buffers.shared()
 def _run_tiles(
     program: RowProgram,
+    call: RegionCall,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     token_inputs: list[torch.Tensor],
     row_inputs: list[torch.Tensor],
     tangents: dict[int, torch.Tensor],
-    tile_size: TileSize,
-    compile_tiles: bool,
-    need: tuple[bool, ...],
+    need: _Need,
     keep_outputs: bool = True,
     rows: torch.Tensor | None = None,
 ):
     """Every tile once; returns (outputs, grad hidden, grad weight, grad bias, row input grads,
     token input grads): each output flat over the tokens, the gradients of
-    ``sum(tangent * output)`` (or ``None``). ``need``: hidden, weight, bias, then one flag per row
-    input and per token input. With ``rows`` (see :func:`_skipped_rows`) only those tokens run,
-    each tile gathering its rows; the others' outputs and per-token gradients are zero."""
-    need_hidden, need_weight, need_bias = need[:3]
-    need_rows = tuple(need[3 : 3 + len(row_inputs)]) or (False,) * len(row_inputs)
-    need_tokens = tuple(need[3 + len(row_inputs) :]) or (False,) * len(token_inputs)
+    ``sum(tangent * output)`` (or ``None``). With ``rows`` (see :func:`_skipped_rows`) only those
+    tokens run, each tile gathering its rows; the others' outputs and per-token gradients are zero."""
+    need_hidden, need_weight, need_bias = need.hidden, need.weight, need.bias
+    need_rows = need.rows or (False,) * len(row_inputs)
+    need_tokens = need.tokens or (False,) * len(token_inputs)
     # the traced tiles assume contiguous slices; a derived token weight can be a broadcast scalar
     tangents = {i: t.contiguous() for i, t in tangents.items()}
     token_inputs = [t.contiguous() for t in token_inputs]
@@ -215,10 +241,18 @@ def _run_tiles(
     num_tokens = batch if rows is None else rows.numel()
     vocab_size = program.vocab_size
     acc = torch.promote_types(torch.float32, hidden.dtype)  # float64 in, float64 sums: exact oracle checks
-    tile, schedule = _weight_grad.plan_step(
-        num_tokens, batch, tile_size, weight.shape, weight.dtype, weight.device, compile_tiles, need_weight
+    tile_plan = plan_tiles(
+        num_tokens,
+        batch,
+        call.tile,
+        weight.shape,
+        weight.dtype,
+        weight.device,
+        call.compile_tiles,
+        need_weight,
     )
-    _tiling.last_tiles = (num_tokens, -(-num_tokens // tile), tile, schedule)
+    _plan.ran(tile_plan)
+    tile, schedule = tile_plan.tile, tile_plan.schedule
     key = TileKernelKey(
         program=program.key,
         tile=tile,
@@ -229,13 +263,13 @@ def _run_tiles(
         bias_dtype=None if bias is None else bias.dtype,
         token_inputs=tuple((tuple(t.shape[1:]), t.dtype) for t in token_inputs),
         row_inputs=tuple((tuple(r.shape), r.dtype) for r in row_inputs),
-        tangents=tuple(sorted(tangents)) if any(need) else (),
+        tangents=tuple(sorted(tangents)) if need.any() else (),
         device=hidden.device,
         need_hidden=need_hidden,
         need_weight=need_weight,
         need_bias=need_bias,
         acc_dtype=acc,
-        compiled=compile_tiles,
+        compiled=call.compile_tiles,
         onednn=onednn_gemms_apply(hidden.device),
         weight_grad=schedule,
         need_rows=need_rows if any(need_rows) else (),
@@ -260,36 +294,45 @@ def _run_tiles(
     elif need_weight:
         weight_grad_sum = (_tile_buffers.zeros(weight.shape, acc, weight.device),)
     bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
-    row_sums = [r.new_zeros(r.shape, dtype=acc) for r, n in zip(row_inputs, need_rows, strict=True) if n]
+    row_sums = tuple(r.new_zeros(r.shape, dtype=acc) for r, n in zip(row_inputs, need_rows, strict=True) if n)
     token_grads = [
         _tile_buffers.zeros(t.shape, t.dtype, t.device) if n else None
         for t, n in zip(token_inputs, need_tokens, strict=True)
     ]
+    row_inputs, tangent_list = tuple(row_inputs), [tangents[i] for i in key.tangents]
+    num_outputs = len(program.outputs)
+    kernel = _program_kernel(key)
     for start in range(0, num_tokens, tile):
         stop = min(start + tile, num_tokens)
         count = stop - start
-        size = tile if count == tile else effective_tile(count, TileSize(tile))
-        kernel = _program_kernel(key if size == key.tile else dataclasses.replace(key, tile=size))
-        picked = None if rows is None else rows[start:stop]
-        gather = None if rows is None else _tile_of(picked, 0, count, size)  # padded: one copy
-
-        def tile_of(t, zeros=False, picked=picked, start=start, stop=stop, size=size, gather=gather):
-            if picked is None:
-                return _tile_of(t, start, stop, size, zeros)
-            if zeros:  # a tangent: its padding rows are zeros
-                return _tile_of(t.index_select(0, picked), 0, stop - start, size, zeros)
-            return t.index_select(0, gather)
-
+        if count != tile:  # the last, short tile: padded to a size of its own
+            size = effective_tile(count, TileSize(tile))
+            kernel = _program_kernel(dataclasses.replace(key, tile=size)) if size != tile else kernel
+        else:
+            size = tile
+        if rows is None:
+            picked = None
+            hidden_tile = _tile_of(hidden, start, stop, size)
+            token_tiles = tuple(_tile_of(t, start, stop, size) for t in token_inputs)
+            tangent_tiles = tuple(_tile_of(t, start, stop, size, zeros=True) for t in tangent_list)
+        else:  # the rows that run, padded by a repeat of a real one: one gather per input
+            picked = rows[start:stop]
+            gather = _tile_of(picked, 0, count, size)
+            hidden_tile = hidden.index_select(0, gather)
+            token_tiles = tuple(t.index_select(0, gather) for t in token_inputs)
+            tangent_tiles = tuple(
+                _tile_of(t.index_select(0, picked), 0, count, size, True) for t in tangent_list
+            )
         inputs = TileInputs(
-            hidden=tile_of(hidden),
+            hidden=hidden_tile,
             weight=weight,
             bias=bias,
-            token_inputs=tuple(tile_of(t) for t in token_inputs),
-            row_inputs=tuple(row_inputs),
-            tangents=tuple(tile_of(tangents[i], zeros=True) for i in key.tangents),
+            token_inputs=token_tiles,
+            row_inputs=row_inputs,
+            tangents=tangent_tiles,
             weight_grad_sum=weight_grad_sum,
             bias_grad_sum=bias_acc,
-            row_grad_sums=tuple(row_sums),
+            row_grad_sums=row_sums,
         )
         last = split and stop == num_tokens  # the last add of a split sum rounds it
         with _weight_grad.last_add(weight_grad_sum[0]) if last else contextlib.nullcontext():
@@ -303,23 +346,23 @@ def _run_tiles(
                 else:
                     out.index_copy_(0, picked, value[:count])
         if need_hidden:
-            grad = result[len(program.outputs)]
+            grad = result[num_outputs]
             if whole:
                 grad_hidden = grad
             elif picked is None:
                 grad_hidden[start:stop] = grad[:count]
             else:
                 grad_hidden.index_copy_(0, picked, grad[:count])
-        token_results = iter(result[len(program.outputs) + need_hidden :])
+        token_results = iter(result[num_outputs + need_hidden :])
         for grad_sum in (g for g in token_grads if g is not None):
             grad = next(token_results)
             if picked is None:
                 grad_sum[start:stop] = grad[:count]
             else:
                 grad_sum.index_copy_(0, picked, grad[:count])
-        del inputs, result  # a tile's gathered rows go before the next tile's are made
+        del inputs, result, hidden_tile, token_tiles, tangent_tiles  # before the next tile's are made
     if split:  # rounded once into the weight dtype, over the high plane
-        grad_weight = finish_split(*_weight_grad.settle(*weight_grad_sum), weight.dtype, compile_tiles)
+        grad_weight = finish_split(*_weight_grad.settle(*weight_grad_sum), weight.dtype, call.compile_tiles)
     elif need_weight and not direct:
         grad_weight = weight_grad_sum[0]
     if need_hidden and grad_hidden is None:  # no token ran
@@ -364,44 +407,58 @@ def _fake_outputs(program: RowProgram, hidden: torch.Tensor) -> list[torch.Tenso
     ]
 
 
-def _grads_or_empty(hidden, weight, bias, grad_h, grad_w, grad_b):
-    """The gradients an op returns: an empty tensor where one is not needed (a custom op
-    returns tensors)."""
-    return (
-        grad_h if grad_h is not None else hidden.new_empty((0,)),
-        grad_w.to(weight.dtype) if grad_w is not None else weight.new_empty((0,)),
-        grad_b.to(bias.dtype) if grad_b is not None else weight.new_empty((0,)),
-    )
+class RegionResult(NamedTuple):
+    """A region op's flat list of tensors, by name: what :func:`_flat_result` lays out and
+    :func:`unflatten` reads back (a custom op returns one ``list[Tensor]``)."""
+
+    loss: torch.Tensor | None
+    grads: list[torch.Tensor]  # hidden, weight, bias, then per row input, then per token input
+    outputs: list[torch.Tensor]
 
 
-def _fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
-    """As :func:`_grads_or_empty` returns them: contiguous, whatever the inputs' layout (a
-    transposed weight's gradient is the contiguous ``[V, H]`` sum the tiles form)."""
-    return (
-        hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty((0,)),
-        weight.new_empty(weight.shape) if need_weight else weight.new_empty((0,)),
-        bias.new_empty(bias.shape) if need_bias else weight.new_empty((0,)),
-    )
+def unflatten(flat: list[torch.Tensor], num_grads: int, loss: bool) -> RegionResult:
+    """Read a region op's result: ``[loss?, *grads(num_grads), *outputs]``."""
+    head = 1 if loss else 0
+    return RegionResult(flat[0] if loss else None, list(flat[head : head + num_grads]),
+                        list(flat[head + num_grads :]))  # fmt: skip
 
 
-# ------------------------------------------------------------------------- scalar loss
+def _flat_result(result: RegionResult) -> list[torch.Tensor]:
+    return [*([result.loss] if result.loss is not None else []), *result.grads, *result.outputs]
 
 
-def _input_grads_or_empty(inputs, grads, weight):
-    """The row or token inputs' gradients as an op returns them, in their dtypes (a row input's
-    is summed over the tiles in float32, or float64); empty where not needed."""
+def _grads_as_returned(hidden, weight, bias, token_inputs, row_inputs, grads) -> list[torch.Tensor]:
+    """The gradients an op returns, one per input in :class:`_Need` order, in the inputs' dtypes
+    (a row input's is summed over the tiles in float32 or float64); an empty tensor where one is
+    not needed (a custom op returns tensors)."""
+    grad_h, grad_w, grad_b, row_grads, token_grads = grads
+    inputs = [hidden, weight, bias, *row_inputs, *token_inputs]
+    given = [grad_h, grad_w, grad_b, *row_grads, *token_grads]
     return [
-        g.to(t.dtype) if g is not None else weight.new_empty((0,)) for t, g in zip(inputs, grads, strict=True)
+        g.to(t.dtype)
+        if g is not None and g.dtype != t.dtype
+        else g
+        if g is not None
+        else weight.new_empty((0,))
+        for t, g in zip(inputs, given, strict=True)
     ]
 
 
-def _fake_input_grads(inputs, needs, weight):
-    return [t.new_empty(t.shape) if n else weight.new_empty((0,)) for t, n in zip(inputs, needs, strict=True)]
+def _fake_grads(hidden, weight, bias, token_inputs, row_inputs, need: _Need) -> list[torch.Tensor]:
+    """As :func:`_grads_as_returned` returns them: contiguous, whatever the inputs' layout (a
+    transposed weight's gradient is the contiguous ``[V, H]`` sum the tiles form)."""
+    inputs = [hidden, weight, bias, *row_inputs, *token_inputs]
+    return [
+        t.new_empty(t.shape) if n else weight.new_empty((0,))
+        for t, n in zip(inputs, need.flat(), strict=True)
+    ]
 
 
-def _needs(need, inputs) -> list[bool]:
-    """A custom op's list flag, one per input (an empty list: none is differentiated)."""
-    return list(need) if need else [False] * len(inputs)
+def _need(need: list[bool], row_inputs, token_inputs) -> _Need:
+    return _Need.of(need, len(row_inputs), len(token_inputs))
+
+
+# ------------------------------------------------------------------------- scalar loss
 
 
 @torch.library.custom_op("tile_pass::row_region_loss", mutates_args=())
@@ -413,65 +470,51 @@ def _row_region_loss(
     row_inputs: list[torch.Tensor],
     reduce_inputs: list[torch.Tensor],
     *,
-    program: str,
-    tile_tokens: int,
-    auto_tile: bool,
-    compile_tiles: bool,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
-    need_rows: list[bool],
-    need_tokens: list[bool],
+    call: str,
+    need: list[bool],
 ) -> list[torch.Tensor]:
-    """``[loss, grad hidden, grad weight, grad bias, *grad row inputs, *grad token inputs,
-    *outputs]``: the gradients of the loss at unit upstream gradient (empty where not needed),
-    the outputs flat over the tokens."""
-    region = _region.lookup(program)
+    """``[loss, *grads, *outputs]`` (see :class:`RegionResult`): the gradients of the loss at
+    unit upstream gradient, one per input in :class:`_Need` order (empty where not needed), the
+    outputs flat over the tokens."""
+    plan = RegionCall.parse(call)
+    region = _region.lookup(plan.program)
     _check_indices(region, token_inputs)
-    need_rows, need_tokens = _needs(need_rows, row_inputs), _needs(need_tokens, token_inputs)
     # the token weights: d loss / d output, independent of the outputs (a linear reduction)
     tangents = token_weights(region, _zero_outputs(region, hidden), reduce_inputs)
     rows = _skipped_rows(region, token_inputs, hidden, tangents, values=True)
-    outputs, *grads, row_grads, token_grads = _run_tiles(
-        region, hidden, weight, bias, token_inputs, row_inputs, tangents, TileSize(tile_tokens, auto_tile),
-        compile_tiles, (need_hidden, need_weight, need_bias, *need_rows, *need_tokens), rows=rows,
+    outputs, *grads = _run_tiles(
+        region, plan, hidden, weight, bias, token_inputs, row_inputs, tangents,
+        _need(need, row_inputs, token_inputs), rows=rows,
     )  # fmt: skip
     with _region.dispatch_as_caller():
         loss = _region.run_reduction(region.reduction, outputs, reduce_inputs, hidden.device.type)
-    return [loss, *_grads_or_empty(hidden, weight, bias, *grads),
-            *_input_grads_or_empty(row_inputs, row_grads, weight),
-            *_input_grads_or_empty(token_inputs, token_grads, weight), *outputs]  # fmt: skip
+    grads = _grads_as_returned(hidden, weight, bias, token_inputs, row_inputs, grads)
+    return _flat_result(RegionResult(loss, grads, outputs))
 
 
 @_row_region_loss.register_fake
-def _(hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, *, program, tile_tokens, auto_tile,
-      compile_tiles, need_hidden, need_weight, need_bias, need_rows, need_tokens):  # fmt: skip
-    region = _region.lookup(program)
+def _(hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, *, call, need):
+    region = _region.lookup(RegionCall.parse(call).program)
     loss = hidden.new_empty((), dtype=region.reduction.dtype)
-    return [loss, *_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias),
-            *_fake_input_grads(row_inputs, _needs(need_rows, row_inputs), weight),
-            *_fake_input_grads(token_inputs, _needs(need_tokens, token_inputs), weight),
-            *_fake_outputs(region, hidden)]  # fmt: skip
+    grads = _fake_grads(hidden, weight, bias, token_inputs, row_inputs, _need(need, row_inputs, token_inputs))
+    return _flat_result(RegionResult(loss, grads, _fake_outputs(region, hidden)))
 
 
 def _loss_setup_context(ctx, inputs, keyword_only_inputs, output):
-    options = keyword_only_inputs
-    token_inputs, row_inputs = inputs[3], inputs[4]
-    ctx.need = (options["need_hidden"], options["need_weight"], options["need_bias"],
-                *_needs(options["need_rows"], row_inputs),
-                *_needs(options["need_tokens"], token_inputs))  # fmt: skip
-    ctx.counts = tuple(len(inputs[i]) for i in (3, 4, 5))
-    saved = len(ctx.need)
-    ctx.save_for_backward(*output[1 : 1 + saved], *anchors(*inputs[:3], *row_inputs, *token_inputs))
-    ctx.mark_non_differentiable(*output[1 + saved :])
+    hidden, weight, bias, token_inputs, row_inputs, reduce_inputs = inputs
+    ctx.need = _need(keyword_only_inputs["need"], row_inputs, token_inputs)
+    ctx.counts = (len(token_inputs), len(row_inputs), len(reduce_inputs))
+    result = unflatten(output, len(ctx.need.flat()), loss=True)
+    ctx.save_for_backward(*result.grads, *anchors(hidden, weight, bias, *row_inputs, *token_inputs))
+    ctx.mark_non_differentiable(*result.outputs)
 
 
 def _loss_vjp(ctx, grads):
     # Glue, not a gradient formula: the gradients were derived in forward at unit upstream
     # gradient; the loss is a scalar, so the chain rule scales them by the incoming gradient.
     saved = ctx.saved_tensors
-    count = len(ctx.need)
-    scaled = scaled_by_upstream(saved[:count], grads[0], ctx.need, saved[count:])
+    need = ctx.need.flat()
+    scaled = scaled_by_upstream(saved[: len(need)], grads[0], need, saved[len(need) :])
     tokens, rows, reduce = ctx.counts
     row_grads, token_grads = scaled[3 : 3 + rows], scaled[3 + rows :]
     return (*scaled[:3], list(token_grads), list(row_grads), [None] * reduce)
@@ -491,25 +534,22 @@ def _row_region(
     token_inputs: list[torch.Tensor],
     row_inputs: list[torch.Tensor],
     *,
-    program: str,
-    tile_tokens: int,
-    auto_tile: bool,
-    compile_tiles: bool,
+    call: str,
 ) -> list[torch.Tensor]:
     """The outputs, flat over the tokens; nothing is differentiated in forward."""
-    region = _region.lookup(program)
+    plan = RegionCall.parse(call)
+    region = _region.lookup(plan.program)
     _check_indices(region, token_inputs)
     rows = _skipped_rows(region, token_inputs, hidden, None, values=True)
     outputs, *_ = _run_tiles(
-        region, hidden, weight, bias, token_inputs, row_inputs, {}, TileSize(tile_tokens, auto_tile),
-        compile_tiles, (False, False, False), rows=rows,
-    )  # fmt: skip
+        region, plan, hidden, weight, bias, token_inputs, row_inputs, {}, NO_GRADIENT, rows=rows
+    )
     return outputs
 
 
 @_row_region.register_fake
-def _(hidden, weight, bias, token_inputs, row_inputs, *, program, tile_tokens, auto_tile, compile_tiles):
-    return _fake_outputs(_region.lookup(program), hidden)
+def _(hidden, weight, bias, token_inputs, row_inputs, *, call):
+    return _fake_outputs(_region.lookup(RegionCall.parse(call).program), hidden)
 
 
 @torch.library.custom_op("tile_pass::row_region_backward", mutates_args=())
@@ -521,49 +561,38 @@ def _row_region_backward(
     token_inputs: list[torch.Tensor],
     row_inputs: list[torch.Tensor],
     *,
-    program: str,
-    tile_tokens: int,
-    auto_tile: bool,
-    compile_tiles: bool,
-    need_hidden: bool,
-    need_weight: bool,
-    need_bias: bool,
-    need_rows: list[bool],
-    need_tokens: list[bool],
+    call: str,
+    need: list[bool],
 ) -> list[torch.Tensor]:
-    """The vector-Jacobian product for the differentiable outputs' ``tangents`` (in order):
-    ``[grad hidden, grad weight, grad bias, *grad row inputs, *grad token inputs]``."""
-    region = _region.lookup(program)
-    need_rows, need_tokens = _needs(need_rows, row_inputs), _needs(need_tokens, token_inputs)
+    """The vector-Jacobian product for the differentiable outputs' ``tangents`` (in order): one
+    gradient per input in :class:`_Need` order."""
+    plan = RegionCall.parse(call)
+    region = _region.lookup(plan.program)
     diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
     tangents = dict(zip(diff, tangents, strict=True))
     rows = _skipped_rows(region, token_inputs, hidden, tangents, values=False)
-    _, *grads, row_grads, token_grads = _run_tiles(
-        region, hidden, weight, bias, token_inputs, row_inputs, tangents, TileSize(tile_tokens, auto_tile),
-        compile_tiles, (need_hidden, need_weight, need_bias, *need_rows, *need_tokens), keep_outputs=False,
-        rows=rows,
+    _, *grads = _run_tiles(
+        region, plan, hidden, weight, bias, token_inputs, row_inputs, tangents,
+        _need(need, row_inputs, token_inputs), keep_outputs=False, rows=rows,
     )  # fmt: skip
-    return [*_grads_or_empty(hidden, weight, bias, *grads),
-            *_input_grads_or_empty(row_inputs, row_grads, weight),
-            *_input_grads_or_empty(token_inputs, token_grads, weight)]  # fmt: skip
+    return _grads_as_returned(hidden, weight, bias, token_inputs, row_inputs, grads)
 
 
 @_row_region_backward.register_fake
-def _(tangents, hidden, weight, bias, token_inputs, row_inputs, *, program, tile_tokens, auto_tile,
-      compile_tiles, need_hidden, need_weight, need_bias, need_rows, need_tokens):  # fmt: skip
-    return [*_fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias),
-            *_fake_input_grads(row_inputs, _needs(need_rows, row_inputs), weight),
-            *_fake_input_grads(token_inputs, _needs(need_tokens, token_inputs), weight)]  # fmt: skip
+def _(tangents, hidden, weight, bias, token_inputs, row_inputs, *, call, need):
+    return _fake_grads(hidden, weight, bias, token_inputs, row_inputs, _need(need, row_inputs, token_inputs))
 
 
 def _region_setup_context(ctx, inputs, keyword_only_inputs, output):
     hidden, weight, bias, token_inputs, row_inputs = inputs
-    ctx.options = dict(keyword_only_inputs)
+    ctx.call = keyword_only_inputs["call"]
     ctx.counts = (len(token_inputs), len(row_inputs))
-    ctx.has_bias = bias is not None
-    ctx.input_needs = ([r.requires_grad for r in row_inputs], [t.requires_grad for t in token_inputs])
+    ctx.input_needs = (
+        tuple(r.requires_grad for r in row_inputs),
+        tuple(t.requires_grad for t in token_inputs),
+    )
     ctx.save_for_backward(hidden, weight, bias, *token_inputs, *row_inputs)
-    region = _region.lookup(ctx.options["program"])
+    region = _region.lookup(RegionCall.parse(ctx.call).program)
     ctx.diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
     ctx.mark_non_differentiable(*[o for i, o in enumerate(output) if i not in ctx.diff])
 
@@ -574,25 +603,19 @@ def _region_vjp(ctx, grads):
     refuse_higher_order()
     hidden, weight, bias, *rest = ctx.saved_tensors
     token_inputs, row_inputs = rest[: ctx.counts[0]], rest[ctx.counts[0] :]
-    need = ctx.needs_input_grad[:3]
-    need = (need[0], need[1], need[2] and bias is not None)
-    need_rows, need_tokens = ctx.input_needs
-    region = _region.lookup(ctx.options["program"])
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    need = _Need(need_h, need_w, need_b and bias is not None, *ctx.input_needs)
+    region = _region.lookup(RegionCall.parse(ctx.call).program)
     zeros = _zero_outputs(region, hidden)  # for the outputs whose gradient is unused
     tangents = [grads[i] if grads[i] is not None else zeros[i] for i in ctx.diff]
-    grad_h, grad_w, grad_b, *input_grads = _row_region_backward(
-        tangents, hidden, weight, bias, list(token_inputs), list(row_inputs), **ctx.options,
-        need_hidden=need[0], need_weight=need[1], need_bias=need[2], need_rows=need_rows,
-        need_tokens=need_tokens,
-    )  # fmt: skip
-    row_grads, token_grads = input_grads[: ctx.counts[1]], input_grads[ctx.counts[1] :]
-    return (
-        grad_h if need[0] else None,
-        grad_w if need[1] else None,
-        grad_b if need[2] else None,
-        [g if n else None for g, n in zip(token_grads, need_tokens, strict=True)],
-        [g if n else None for g, n in zip(row_grads, need_rows, strict=True)],
+    result = _row_region_backward(
+        tangents, hidden, weight, bias, list(token_inputs), list(row_inputs), call=ctx.call, need=need.flat()
     )
+    grad_h, grad_w, grad_b, *input_grads = (
+        g if n else None for g, n in zip(result, need.flat(), strict=True)
+    )
+    rows = ctx.counts[1]
+    return grad_h, grad_w, grad_b, input_grads[rows:], input_grads[:rows]
 
 
 _row_region.register_autograd(_region_vjp, setup_context=_region_setup_context)
@@ -606,26 +629,31 @@ def run_region(
     row_inputs: list[torch.Tensor],
     reduce_inputs: list[torch.Tensor],
     *,
-    program: str,
-    tile_tokens: TileSize,
-    compile_tiles: bool,
+    call: str,
 ) -> list[torch.Tensor]:
     """What the rewritten graph calls: the region's outputs (flat over the tokens), preceded
-    by its scalar loss when the program has one. The ops take the tile size as primitives."""
+    by its scalar loss when the program has one. ``call``: a :class:`RegionCall`'s key. A
+    vocabulary-sharded DTensor head runs the same op on this rank's local pieces."""
+    if hasattr(weight, "device_mesh"):  # a DTensor head
+        return _distributed.on_local_shards(
+            functools.partial(run_region, call=call), hidden, weight, bias, token_inputs, row_inputs,
+            reduce_inputs,
+        )  # fmt: skip
     hidden = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
-    region = _region.lookup(program)
-    options = dict(program=program, tile_tokens=tile_tokens.tokens, auto_tile=tile_tokens.automatic,
-                   compile_tiles=compile_tiles)  # fmt: skip
+    region = _region.lookup(RegionCall.parse(call).program)
     if region.reduction is None:
-        return _row_region(hidden, weight, bias, token_inputs, row_inputs, **options)
+        return _row_region(hidden, weight, bias, token_inputs, row_inputs, call=call)
     grad_on = torch.is_grad_enabled()
-    need_rows = [grad_on and r.requires_grad for r in row_inputs]
-    need_tokens = [grad_on and t.requires_grad for t in token_inputs]
-    loss, *rest = _row_region_loss(
-        hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, **options,
-        need_hidden=grad_on and hidden.requires_grad,
-        need_weight=grad_on and weight.requires_grad,
-        need_bias=grad_on and bias is not None and bias.requires_grad,
-        need_rows=need_rows if any(need_rows) else [], need_tokens=need_tokens if any(need_tokens) else [],
+    need = _Need(
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+        tuple(grad_on and r.requires_grad for r in row_inputs),
+        tuple(grad_on and t.requires_grad for t in token_inputs),
+    )
+    flat = _row_region_loss(
+        hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, call=call,
+        need=need.flat() if need.any() else [],
     )  # fmt: skip
-    return [loss, *rest[3 + len(row_inputs) + len(token_inputs) :]]
+    result = unflatten(flat, 3 + len(row_inputs) + len(token_inputs), loss=True)
+    return [result.loss, *result.outputs]
