@@ -253,3 +253,18 @@ def test_only_the_forms_own_rows_run_dpo_and_distill():
         assert [i for i in bench.IMPLS if bench.runs_form(i, form)] == own
     assert not bench.runs_form("chunked", "ce") and bench.runs_form("torch_chunked", "ce")
     assert not bench.runs_form("torch_chunked", "grpo") and bench.runs_form("autochunker", "grpo")
+
+
+def test_host_overhead_rows_time_both_backends_per_tile_count(capsys):
+    """``--host-overhead``: one row per tile count, both medians measured, and the slope printed."""
+    from tile_pass import _bench_host, _plan
+
+    with _plan.recorded() as plans:
+        rows = _bench_host.measure(tiles=(1, 2), steps=3, warmup=1)
+    assert [r["tiles"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["aot_eager_ms"] > 0 and row["tile_pass_ms"] > 0
+        assert row["added_ms"] == pytest.approx(row["tile_pass_ms"] - row["aot_eager_ms"])
+    assert {(p.rows, p.num_tiles) for p in plans} == {(64, 1), (64, 2)}  # the tiles asked for ran
+    text = _bench_host.format_rows(rows)
+    assert "per additional tile:" in text and text.count("\n") == 4

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tile_pass import _bench_forms, _plan
+from tile_pass import _bench_forms, _bench_host, _plan
 from tile_pass._measure import (
     LOSS_FORMS,
     MiB,
@@ -961,12 +961,23 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", help="write the rows (and machine info) to this file")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument(
+        "--host-overhead", action="store_true",
+        help="host time per step at N=64 H=32 V=500 (1, 2, 4, 8 tiles) against plain aot_eager, one thread",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """The command line: measure, print the table, optionally write JSON."""
     args = _parse(argv)
+    if args.host_overhead:
+        rows = _bench_host.measure()
+        print(_bench_host.format_rows(rows))
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"machine": machine_info(), "host_overhead": rows}, out, indent=1, default=str)
+        return
     impls = args.impl.split(",") if args.impl else default_impls(args.device)
     if args.impl is None and (args.dynamic or args.sweep_tile):
         impls = ["inductor", "tile_pass"]

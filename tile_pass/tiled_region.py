@@ -129,9 +129,20 @@ def _trace_program_kernel(key: TileKernelKey) -> torch.fx.GraphModule:
     program = _region.lookup(key.program)
 
     def trace(key: TileKernelKey) -> torch.fx.GraphModule:
-        return trace_fake(_joint(key, program), _input_spec(key, program), key.device)
+        return _without_detach(trace_fake(_joint(key, program), _input_spec(key, program), key.device))
 
     return finish_tile_graph(trace(key), key, lambda rows: trace(dataclasses.replace(key, tile=rows)))
+
+
+def _without_detach(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The traced tile with its ``detach`` calls dropped: the tile runs inside a custom op, below
+    autograd, where a detach is only a new alias of the same memory and one more dispatch per tile."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
 
 
 def _program_kernel(key: TileKernelKey):
