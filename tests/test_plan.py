@@ -64,3 +64,13 @@ def test_report_and_loop_agree_without_a_module_global():
     (ran,) = plans
     assert (rewrite.tile_tokens, rewrite.num_tiles) == (ran.tile, ran.num_tiles) == (128, 3)
     assert not hasattr(tile_pass._tiling, "last_tiles")
+
+
+def test_the_region_ops_are_registered_when_tile_pass_is_imported():
+    """A graph saved with the ops in it (a dump, an AOT artifact) loads after ``import tile_pass``."""
+    import subprocess
+    import sys
+
+    code = "import tile_pass, torch; print(sorted(n for n in dir(torch.ops.tile_pass) if 'region' in n))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['row_region', 'row_region_backward', 'row_region_loss']", out

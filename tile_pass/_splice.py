@@ -21,6 +21,7 @@ from tile_pass._region import Layout, RowProgram
 from tile_pass._region_match import RowRegion
 from tile_pass._returned_logits import ReturnedLogits
 from tile_pass._token_layout import after_tiles, per_token, restore, select, spread
+from tile_pass.tiled_region import run_region
 
 
 class _ProgramPrefix(torch.nn.Module):
@@ -74,8 +75,6 @@ def rewrite_row_region(
 ) -> str:
     """Replace the region by one call of :func:`tile_pass.tiled_region.run_region`; returns how
     returned rows were handled. Raises ``NoMatch`` before changing anything."""
-    from tile_pass.tiled_region import run_region
-
     members = set(region.nodes) | set(region.reduction_nodes)
     order = {n: i for i, n in enumerate(graph.nodes)}
     readers = [u for n in members for u in n.users if u not in members]

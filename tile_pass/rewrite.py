@@ -34,6 +34,7 @@ from tile_pass._rules import LOSS_SIGNATURES, bind
 from tile_pass._tiling import TileSize, choose_tile_tokens
 from tile_pass._weight_grad import WeightGradSchedule
 from tile_pass.report import GraphReport, Rewrite, Skip, logits_bytes_fields, source_line
+from tile_pass.tiled_region import run_region
 
 
 @dataclass
@@ -99,8 +100,6 @@ def is_region_node(node: torch.fx.Node) -> bool:
     """A call the rewrite inserted, or a tile_pass op the user's code called (the functional API)."""
     if node.op != "call_function":
         return False
-    from tile_pass.tiled_region import run_region
-
     return node.target is run_region or (getattr(node.target, "namespace", None) == "tile_pass")
 
 
