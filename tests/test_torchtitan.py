@@ -216,7 +216,7 @@ def test_the_documented_command_line_reaches_the_loss():
          "--override.imports", OVERRIDE + '={"tile_tokens": 16, "inner": "aot_eager"}']
     )  # fmt: skip
     apply_overrides(config.override, config)
-    assert (config.loss.tile_tokens, config.loss.inner) == (16, "aot_eager")
+    assert (config.loss.tiling.tile_tokens, config.loss.inner) == (16, "aot_eager")
 
 
 def test_the_override_refuses_a_loss_it_does_not_replace():

@@ -663,7 +663,7 @@ def _frames(exc: BaseException) -> str:
 def _backend():
     """``tile_pass.backend("aot_eager")`` with internal errors raised (``strict``, where it exists;
     ``TILE_PASS_STRICT=1`` is set above for versions that read only the variable)."""
-    if "strict" in inspect.signature(tile_pass.backend).parameters:
+    if hasattr(tile_pass, "TileOptions") or "strict" in inspect.signature(tile_pass.backend).parameters:
         return tile_pass.backend("aot_eager", strict=True)
     return tile_pass.backend("aot_eager")
 

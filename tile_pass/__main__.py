@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 import tile_pass
+from tile_pass._options import TileOptions
 
 _ARG = re.compile(r"^(?P<dtype>\w+)\[(?P<shape>[\d,\s]*)\](?:<(?P<high>\d+))?$")
 
@@ -197,8 +198,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 def main(argv: list[str] | None = None) -> int:
     parser, explain = build_parser()
     options = parser.parse_args(argv)
-    if options.tile_tokens is not None and options.tile_tokens < 1:
-        explain.error(f"--tile-tokens must be a positive number of tokens, got {options.tile_tokens}")
+    try:  # checked where every entry point's options are: by building the one value
+        tiling = TileOptions(tile_tokens=options.tile_tokens, drop_logits=options.drop_logits)
+    except ValueError as why:
+        explain.error(f"--{why}".replace("tile_tokens", "tile-tokens"))
     try:
         target = load_target(options.target)
         if options.args is not None:
@@ -216,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             fn, args, kwargs = made[0], made[1], made[2] if len(made) == 3 else {}
         else:  # a zero-argument step that computes its own loss
             fn, args, kwargs = target, (), {}
-    backend = tile_pass.backend(
-        options.inner, tile_tokens=options.tile_tokens, drop_logits=options.drop_logits
-    )
+    backend = tile_pass.backend(options.inner, tiling=tiling)
     report = backend.explain(fn, *args, **kwargs)
     print(report.to_json() if options.json else report)
     return 0

@@ -13,12 +13,15 @@ Inside ``torch.compile`` the graph is found by a key that
 :func:`torch.compiler.assume_constant_result` computes while Dynamo traces (the options are
 Python constants), and Dynamo inlines the graph's code, so ``fullgraph=True`` and
 ``dynamic=True`` hold: the graph has no shapes in it, only ops. (The options are passed to
-it field by field: Dynamo 2.13 rebuilds a named tuple or a frozen dataclass argument of an
-``assume_constant_result`` function without its fields.)
+it field by field, the :class:`~tile_pass.TileOptions` as a tuple of its values: Dynamo 2.13
+rebuilds a named tuple or a frozen dataclass argument of an ``assume_constant_result``
+function without its fields.)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import threading
 from collections import OrderedDict
 from typing import NamedTuple
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module
 
-from tile_pass._options import TileOptions
+from tile_pass._options import FIELDS, TileOptions
 from tile_pass.rewrite import rewrite_graph
 
 
@@ -50,9 +53,8 @@ class Options(NamedTuple):
     ignore_index: int
     label_smoothing: float
     reduction: str
-    tile_tokens: int | None
-    tile_bytes: int | None
-    compile_tiles: bool
+    #: the tiles' :class:`~tile_pass.TileOptions`, resolved, as :func:`constant_tiling` gives it
+    tiling: tuple
     #: a vocabulary-sharded head: ``(process group name, this rank's first row, its rows)``
     #: (``tile_pass._distributed.local_head``); ``vocab_size`` is then the whole head's
     vocab_shard: tuple[str, int, int] | None = None
@@ -60,6 +62,18 @@ class Options(NamedTuple):
     target_dtype: torch.dtype | None = None
     #: class probabilities that require grad: differentiated in the tiles, as eager does
     target_grad: bool = False
+
+
+def constant_tiling(tiling: TileOptions) -> tuple:
+    """``tiling``'s values in field order, as Python constants (each specialised if Dynamo made it
+    symbolic): :class:`Options`'s ``tiling``."""
+    return tuple(_constant(getattr(tiling, name)) for name in FIELDS)
+
+
+def _constant(value):
+    if value is None or isinstance(value, (bool, torch.SymBool)):
+        return None if value is None else bool(value)
+    return operator.index(value)
 
 
 def _textbook_code(options: Options):
@@ -142,8 +156,7 @@ def _build(options: Options) -> torch.fx.GraphModule:
 
             weight = [node for node in gm.graph.nodes if node.op == "placeholder"][1]
             weight.meta[VOCAB_SHARD_META] = options.vocab_shard
-        tiling = TileOptions(options.tile_tokens, options.tile_bytes, compile_tiles=options.compile_tiles,
-                             strict=True)  # fmt: skip
+        tiling = dataclasses.replace(TileOptions(*options.tiling), strict=True)
         result = rewrite_graph(gm, tiling)
         if len(result.report.rewrites) != 1:
             reasons = "; ".join(s.reason for s in result.report.skipped) or "no region found"

@@ -15,7 +15,11 @@ from typing import Any
 
 import torch
 
+from tile_pass._options import TileOptions, tile_options
 from tile_pass.dynamo_backend import Backend, CompilerFn
+
+#: the decorator's own keywords beside the tiling's (named in the error for an unknown one)
+_SETTINGS = ("fn", "inner", "fullgraph", "dynamic")
 
 
 class TiledLossNotApplied(RuntimeError):
@@ -26,24 +30,25 @@ def tiled_loss(
     fn: Callable | None = None,
     *,
     inner: str | CompilerFn = "inductor",
-    tile_tokens: int | None = None,
-    tile_bytes: int | None = None,
-    drop_logits: bool = False,
+    tiling: TileOptions | None = None,
     fullgraph: bool = False,
     dynamic: bool | None = None,
+    **tile_fields: Any,
 ) -> Callable:
     """Decorate a loss/head function so it runs with the tiled loss.
 
-    Use bare (``@tiled_loss``) or with options (``@tiled_loss(inner="aot_eager")``). The
-    configured backend is available as ``fn.tile_pass_backend`` (its ``report()`` lists
-    what was rewritten).
+    Use bare (``@tiled_loss``) or with options (``@tiled_loss(inner="aot_eager", tile_tokens=256)``):
+    ``inner`` is the backend's, ``tiling=`` or :class:`~tile_pass.TileOptions`'s fields as keywords
+    configure the tiles (checked here, at decoration), ``fullgraph`` and ``dynamic`` go to
+    ``torch.compile``. The configured backend is available as ``fn.tile_pass_backend`` (its
+    ``report()`` lists what was rewritten).
     """
+    options = tile_options("tile_pass.tiled_loss", tiling, tile_fields, _SETTINGS)
     if fn is None:
         return functools.partial(
-            tiled_loss, inner=inner, tile_tokens=tile_tokens, tile_bytes=tile_bytes,
-            drop_logits=drop_logits, fullgraph=fullgraph, dynamic=dynamic,
-        )  # fmt: skip
-    backend = Backend(inner, tile_tokens=tile_tokens, tile_bytes=tile_bytes, drop_logits=drop_logits)
+            tiled_loss, inner=inner, tiling=options, fullgraph=fullgraph, dynamic=dynamic
+        )
+    backend = Backend(inner, tiling=options)
     compiled = torch.compile(fn, backend=backend, fullgraph=fullgraph, dynamic=dynamic)
     checked = threading.Event()
 

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from tile_pass import _dump, _settings
+from tile_pass import _dump
 from tile_pass._higher_order import guard_outputs, outputs_guarded, region_outputs
 from tile_pass._logging import log
-from tile_pass._options import TileOptions
+from tile_pass._options import TileOptions, tile_options
 from tile_pass._oracle import validating_call
 from tile_pass._returned_logits import rebuild_outputs
 from tile_pass.report import GraphReport, Report, graph_break_hint
@@ -23,6 +23,8 @@ from tile_pass.rewrite import GRAPH_BREAK, internal_error, is_region_node, rewri
 
 CompilerFn = Callable[[torch.fx.GraphModule, Sequence[Any]], Callable]
 _INNER_NAMES = ("inductor", "aot_eager", "eager")
+#: the backend's own keywords beside the tiling's (named in the error for an unknown one)
+_SETTINGS = ("inner", "dump_dir", "validate", "mode", "options", "keep_reports")
 
 
 def _resolve_inner(
@@ -52,41 +54,48 @@ def _resolve_inner(
 
 
 class Backend:
-    """A configured tile_pass backend; pass it as ``torch.compile(fn, backend=...)``.
+    """A configured tile_pass backend: ``torch.compile(model, backend=tile_pass.Backend(...))``
+    (``tile_pass.backend(...)`` builds the same).
 
-    ``reports`` keeps the decisions for the last ``keep_reports`` graphs it compiled (at least one).
+    How it tiles is one :class:`~tile_pass.TileOptions`: ``tiling=``, or its fields as keywords
+    (``Backend("aot_eager", tile_tokens=256)``; both: the keywords replace those fields). Its
+    ``compile_tiles`` and ``strict`` are decided for ``inner`` (:meth:`TileOptions.resolved`);
+    ``.tiling`` is the result.
+
+    The backend's own settings: ``inner`` compiles the rewritten graph: ``"inductor"`` (default),
+    ``"aot_eager"``, ``"eager"`` or any backend callable. ``dump_dir`` (or the
+    ``TILE_PASS_DUMP_DIR`` environment variable) receives each graph before and after the rewrite
+    as readable Python and, where graphviz is installed, SVG. ``validate=True`` checks each
+    rewritten graph on its first call against the original graph run eagerly in float64 (outputs
+    and gradients) and raises on disagreement. ``mode`` and ``options`` configure the inner
+    Inductor as ``torch.compile(mode=..., options=...)`` would (``"max-autotune"``,
+    ``"reduce-overhead"``, ``{"max_autotune": True}``); they raise for any other inner compiler.
+    They apply to the rewritten graph; the tiles' elementwise middle keeps Inductor's defaults (it
+    holds no GEMM for max-autotune to tune: the tiles' GEMMs are library calls). ``reports`` keeps
+    the decisions for the last ``keep_reports`` graphs it compiled (at least one).
+
+    The pass never ends a run unless ``strict``: an internal error leaves the graph as Dynamo gave
+    it and is reported as a skip ("internal error: ...").
     """
 
     def __init__(
         self,
         inner: str | CompilerFn = "inductor",
         *,
-        tile_tokens: int | None = None,
-        tile_bytes: int | None = None,
-        drop_logits: bool = False,
+        tiling: TileOptions | None = None,
         dump_dir: str | None = None,
         validate: bool = False,
-        compile_tiles: bool | None = None,
         mode: str | None = None,
         options: dict[str, Any] | None = None,
         keep_reports: int = 64,
-        strict: bool | None = None,
+        **tile_fields: Any,
     ):
         self.inner = inner
         self.dump_dir = dump_dir
         self.validate = validate
         self.mode = mode
         self.options = dict(options) if options else None
-        self.tiling = TileOptions(
-            tile_tokens=tile_tokens,
-            tile_bytes=tile_bytes,
-            drop_logits=drop_logits,
-            # tiles are compiled by Inductor unless the graph itself is run by a debugging
-            # compiler (eager, aot_eager); a custom callable gets compiled tiles, as inductor does
-            compile_tiles=(inner not in ("eager", "aot_eager")) if compile_tiles is None else compile_tiles,
-            # an internal error of the pass raises instead of leaving the graph untouched
-            strict=_settings.current().strict if strict is None else bool(strict),
-        )
+        self.tiling = tile_options("tile_pass.Backend", tiling, tile_fields, _SETTINGS).resolved(inner)
         self._inner = _resolve_inner(inner, mode, self.options)
         self._graphs_seen = 0
         self._last_break: str | None = None  # where Dynamo broke the graph it handed us last, and why
@@ -176,8 +185,8 @@ class Backend:
         logits. To be quick, the call runs the rewritten forward with the inner compiler
         ``eager`` and uncompiled tiles of those sizes.
         """
-        recorder = Backend("eager", dump_dir=self.dump_dir, keep_reports=1024)
-        recorder.tiling = dataclasses.replace(self.tiling, run_compiled_tiles=False)
+        planned = dataclasses.replace(self.tiling, run_compiled_tiles=False)
+        recorder = Backend("eager", tiling=planned, dump_dir=self.dump_dir, keep_reports=1024)
         breaks_before = collections.Counter(torch._dynamo.utils.counters["graph_break"])
         torch.compile(fn, backend=recorder)(*args, **kwargs)
         report = recorder.report()
@@ -194,11 +203,9 @@ class Backend:
         return self.tiling.strict
 
     def __repr__(self) -> str:
-        t = self.tiling
         return (
-            f"tile_pass.backend(inner={self.inner!r}, tile_tokens={t.tile_tokens}, "
-            f"tile_bytes={t.tile_bytes}, drop_logits={t.drop_logits}, dump_dir={self.dump_dir!r}, "
-            f"validate={self.validate}, compile_tiles={t.compile_tiles}, strict={t.strict}"
+            f"tile_pass.backend(inner={self.inner!r}, tiling={self.tiling!r}, dump_dir={self.dump_dir!r}, "
+            f"validate={self.validate}"
             + (f", mode={self.mode!r}" if self.mode else "")
             + (f", options={self.options!r}" if self.options else "")
             + ")"
@@ -233,51 +240,15 @@ def _summarise_break(reason: str) -> str:
     return f"{summary} ({context.removeprefix('Developer debug context: ')[:300]})" if context else summary
 
 
-def backend(
-    inner: str | CompilerFn = "inductor",
-    *,
-    tile_tokens: int | None = None,
-    tile_bytes: int | None = None,
-    drop_logits: bool = False,
-    dump_dir: str | None = None,
-    validate: bool = False,
-    compile_tiles: bool | None = None,
-    mode: str | None = None,
-    options: dict[str, Any] | None = None,
-    strict: bool | None = None,
-) -> Backend:
+def backend(inner: str | CompilerFn = "inductor", **settings: Any) -> Backend:
     """A configured backend: ``torch.compile(model, backend=tile_pass.backend(...))``.
 
-    ``inner`` compiles the rewritten graph: ``"inductor"`` (default), ``"aot_eager"``,
-    ``"eager"`` or any backend callable. ``tile_tokens`` fixes the tile; otherwise it is
-    derived from the ``tile_bytes`` budget (see :mod:`tile_pass._tiling`).
-
-    Logits that the compiled function also returns are kept exact by default (model dtype,
-    no upcast, no saved softmax, a gradient only if used). ``drop_logits=True`` opts out of
-    them entirely, as Liger and CCE do: they are never computed and a zero-byte NaN
-    placeholder of the right shape is returned instead.
-
-    ``dump_dir`` (or the ``TILE_PASS_DUMP_DIR`` environment variable) receives each graph
-    before and after the rewrite as readable Python and, where graphviz is installed, SVG.
-    ``validate=True`` checks each rewritten graph on its first call against the original
-    graph run eagerly in float64 (outputs and gradients) and raises on disagreement.
-    ``compile_tiles`` (default: unless ``inner`` is ``"eager"`` or ``"aot_eager"``) compiles
-    each tile's elementwise work (softmax, loss, logits gradient) with Inductor, once per
-    tile shape. ``mode`` and ``options`` configure the inner Inductor as
-    ``torch.compile(mode=..., options=...)`` would (``"max-autotune"``, ``"reduce-overhead"``,
-    ``{"max_autotune": True}``); they raise for any other inner compiler. They apply to the
-    rewritten graph; the tiles' elementwise middle keeps Inductor's defaults (it holds no GEMM
-    for max-autotune to tune: the tiles' GEMMs are library calls).
-
-    The pass never ends a run: an internal error while matching, planning or rewriting a region
-    leaves the graph as Dynamo gave it, logs a WARNING and is reported as a skip ("internal
-    error: ..."); a rewritten graph the inner compiler rejects is compiled as Dynamo gave it.
-    ``strict=True`` (default: the ``TILE_PASS_STRICT`` environment variable) raises instead.
+    The same as :class:`Backend` (``inner``, ``tiling=`` or :class:`~tile_pass.TileOptions`'s
+    fields as keywords, ``dump_dir``, ``validate``, ``mode``, ``options``, ``keep_reports``; each
+    is documented there, the tiling fields on :class:`~tile_pass.TileOptions`):
+    ``tile_pass.backend("aot_eager", tile_tokens=256, drop_logits=True)``.
     """
-    return Backend(
-        inner, tile_tokens=tile_tokens, tile_bytes=tile_bytes, drop_logits=drop_logits, dump_dir=dump_dir,
-        validate=validate, compile_tiles=compile_tiles, mode=mode, options=options, strict=strict,
-    )  # fmt: skip
+    return Backend(inner, **settings)
 
 
 def _with_rebuilt_outputs(compiled: Callable, num_outputs: int, records) -> Callable:
@@ -308,7 +279,11 @@ def tile_pass_backend(
     return default_backend()(gm, example_inputs, **compile_options)
 
 
-def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
-    """Compile ``fn`` with tile_pass, call it once with ``args``, and report what was rewritten:
-    the plan of ``backend="tile_pass"`` (inductor, compiled tiles)."""
-    return default_backend().explain(fn, *args, **kwargs)
+def explain(fn: Callable, *args: Any, tiling: TileOptions | None = None, **kwargs: Any) -> Report:
+    """Compile ``fn`` with tile_pass, call it once with ``args`` and ``kwargs``, and report what was
+    rewritten: the plan of ``backend="tile_pass"`` (inductor, compiled tiles), or of
+    ``tile_pass.backend(tiling=tiling)`` where ``tiling`` (a :class:`~tile_pass.TileOptions`) is
+    given. (Every other keyword is ``fn``'s, so the tiling's fields are not taken one by one here;
+    ``tile_pass.backend(inner, ...).explain(fn, ...)`` explains any configured backend.)"""
+    planner = default_backend() if tiling is None else Backend(tiling=tiling)
+    return planner.explain(fn, *args, **kwargs)

@@ -10,13 +10,16 @@ planner and every post-trace pass are the compiled path's own. A vocabulary-shar
 
 from __future__ import annotations
 
+import inspect
 import operator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from tile_pass import _textbook
 from tile_pass._fx import autocast_dtype
+from tile_pass._options import TileOptions, tile_options
 
 _REDUCTIONS = ("mean", "sum", "none")
 _HALF = (torch.float16, torch.bfloat16)
@@ -53,13 +56,12 @@ def linear_cross_entropy(
     reduction: str = "mean",
     ignore_index: int | None = None,
     label_smoothing: float = 0.0,
-    tile_tokens: int | None = None,
-    tile_bytes: int | None = None,
     upcast: bool = True,
     logit_scale: float | None = None,
     softcap: float | None = None,
-    compile_tiles: bool = False,
     options: object | None = None,
+    tiling: TileOptions | None = None,
+    **tile_fields: Any,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(input, linear_weight, linear_bias).float(), target, ...)``, tiled.
 
@@ -68,18 +70,19 @@ def linear_cross_entropy(
     ``ignore_index=None`` means -100 for class indices), and the same results. ``input`` is
     ``[..., H]`` (torch's takes 1-D or 2-D) and ``target`` holds one class index per token
     (``[...]``) or class probabilities (``[..., V]``, floating). The ``[N, V]`` logits never
-    exist: they are made one tile of ``tile_tokens`` tokens at a time (default: from the
-    ``tile_bytes`` budget, see :mod:`tile_pass._tiling`), in forward and backward.
+    exist: they are made one tile at a time, in forward and backward. The tiles are configured by
+    ``tiling=`` or :class:`~tile_pass.TileOptions`'s fields as keywords (``tile_tokens=256``,
+    ``tile_bytes=...``, ``compile_tiles=True``: Inductor compiles each tile's elementwise work, a
+    one-off compile per tile shape; by default the tiles here run uncompiled).
 
     ``upcast=False`` computes the loss in the logits' own dtype, like ``F.cross_entropy`` on
     half-precision logits; float64 is never downcast. ``logit_scale`` multiplies the logits
     and ``softcap`` caps them (``softcap * tanh(logits / softcap)``, Gemma 2) before the
     upcast, inside each tile. With ``reduction="none"`` the result has the target's token
-    shape (``()`` for one unbatched token). ``compile_tiles=True`` compiles each tile's
-    softmax/loss/gradient with Inductor (faster steps, a one-off compile per tile shape).
-    ``bias`` (positional) is the same as ``linear_bias``, kept for earlier callers. A ``DTensor``
-    ``linear_weight`` sharded over the vocabulary (``Shard(0)`` on a 1-D tensor-parallel mesh)
-    runs the same region on this rank's rows (no bias, class weights or probability targets yet).
+    shape (``()`` for one unbatched token). ``bias`` (positional) is the same as ``linear_bias``,
+    kept for earlier callers. A ``DTensor`` ``linear_weight`` sharded over the vocabulary
+    (``Shard(0)`` on a 1-D tensor-parallel mesh) runs the same region on this rank's rows (no
+    bias, class weights or probability targets yet).
 
     ``options`` (torch's ``LinearCrossEntropyOptions``, which configures torch's own chunking)
     is accepted and has no effect: the tiles replace torch's chunks. A ``linear_weight`` of more
@@ -89,6 +92,8 @@ def linear_cross_entropy(
     Works in eager code and inside ``torch.compile`` (no graph break, no host sync).
     """
     del options  # torch's chunking options: the tiles are tile_pass's own
+    # the functional API's tiles run as eager code runs them: uncompiled unless compile_tiles=True
+    tiling = tile_options("tile_pass.linear_cross_entropy", tiling, tile_fields, _SETTINGS).resolved("eager")
     if linear_weight.dim() > 2 and not _is_dtensor(linear_weight):
         return _k_dimensional(input, linear_weight, target, linear_bias if bias is None else bias, weight,
                               reduction, ignore_index, label_smoothing)  # fmt: skip
@@ -188,12 +193,14 @@ def linear_cross_entropy(
         target_dtype=target.dtype if soft_targets and target.dtype != loss_dtype else None,
         target_grad=target_grad,
         ignore_index=operator.index(ignore_index), label_smoothing=_constant_float(label_smoothing),
-        reduction=reduction, tile_tokens=_constant_int(tile_tokens), tile_bytes=_constant_int(tile_bytes),
-        compile_tiles=bool(compile_tiles),
-        vocab_shard=vocab_shard,
+        reduction=reduction, tiling=_textbook.constant_tiling(tiling), vocab_shard=vocab_shard,
     )  # fmt: skip
     loss = _textbook.run(options, hidden, linear_weight, bias, target, weight)
     return loss.view(target_shape) if reduction == "none" else loss
+
+
+#: linear_cross_entropy's own keywords beside the tiling's (named in the error for an unknown one)
+_SETTINGS = tuple(inspect.signature(linear_cross_entropy).parameters)[:-2]
 
 
 def _k_dimensional(input, linear_weight, target, bias, weight, reduction, ignore_index, label_smoothing):
@@ -319,11 +326,6 @@ def _check_byte_labels(target: torch.Tensor, vocab_size: int, ignore_index: int,
 
 def _is_int(value) -> bool:
     return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
-
-
-def _constant_int(value: int | None) -> int | None:
-    """``value`` as a Python int, specialised if Dynamo made it symbolic."""
-    return None if value is None else operator.index(value)
 
 
 def _constant_float(value: float | None) -> float | None:

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 import tile_pass
+from tile_pass._options import TileOptions, tile_options
 
 _EP_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 
@@ -136,15 +137,15 @@ class TiledCrossEntropyLoss(ChunkedLossWrapper):
         inner: str | None = None
         """Compiler for the rewritten graph; None: the trainer's ``compile.backend``."""
 
-        tile_tokens: int | None = None
-        """Tokens per tile; None: tile_pass's memory budget decides."""
+        tiling: TileOptions | None = None
+        """How the tiles are made (:class:`tile_pass.TileOptions`); None: its defaults."""
 
     def __init__(self, config: Config, *, compile_config=None):
         inner = config.inner or getattr(compile_config, "backend", None) or "inductor"
         self.num_chunks = 1
         self.loss_fn = None
         self.lm_head = None
-        self.backend = tile_pass.backend(inner, tile_tokens=config.tile_tokens)
+        self.backend = tile_pass.backend(inner, tiling=config.tiling)
         self._compiled = torch.compile(_head_and_loss, backend=self.backend)
 
     def __call__(
@@ -178,18 +179,21 @@ class TiledCrossEntropyLoss(ChunkedLossWrapper):
     fqns=["loss"],
     description="tile_pass: lm_head and cross entropy in one tiled graph",
 )
-def tiled_loss(cfg, *, inner: str | None = None, tile_tokens: int | None = None):
+def tiled_loss(cfg, *, inner: str | None = None, tiling: TileOptions | None = None, **tile_fields: Any):
     """``--override.imports tile_pass.integrations.torchtitan.tiled_loss``: the trainer's
     ``CrossEntropyLoss`` or ``ChunkedLossWrapper`` (of a ``CrossEntropyLoss``) becomes a
-    :class:`TiledCrossEntropyLoss`; any other loss raises. ``inner`` and ``tile_tokens`` may be
-    given as the override's arguments (``tiled_loss={"inner": "aot_eager"}``)."""
+    :class:`TiledCrossEntropyLoss`; any other loss raises. ``inner`` and
+    :class:`tile_pass.TileOptions`'s fields may be given as the override's arguments
+    (``tiled_loss={"inner": "aot_eager", "tile_tokens": 1024}``), or ``tiling=`` from Python."""
+    entry = "tile_pass.integrations.torchtitan.tiled_loss"
+    tiling = tile_options(entry, tiling, tile_fields, ("cfg", "inner"))
     loss = cfg.loss_fn if type(cfg) is ChunkedLossWrapper.Config else cfg
     if type(loss) is not CrossEntropyLoss.Config and not isinstance(cfg, TiledCrossEntropyLoss.Config):
         raise ValueError(
             f"tile_pass.integrations.torchtitan.tiled_loss replaces a cross entropy loss; the config's "
             f"loss is {type(cfg).__qualname__}"
         )
-    return TiledCrossEntropyLoss.Config(inner=inner, tile_tokens=tile_tokens)
+    return TiledCrossEntropyLoss.Config(inner=inner, tiling=tiling)
 
 
 def report(obj) -> tile_pass.Report:
