@@ -67,7 +67,8 @@ def compile_for_training(
     """Compile ``model``'s forward with tile_pass, in place; return ``model``.
 
     ``inner`` and ``backend_options`` are :func:`tile_pass.backend`'s (``inner="aot_eager"``,
-    ``tile_tokens=...``, ``drop_logits=True``, ``mode=...``, ...), or ``inner`` is a ready
+    ``tiling=TileOptions(...)`` or its fields, ``tile_tokens=...``, ``drop_logits=True``,
+    ``mode=...``, ...), or ``inner`` is a ready
     :class:`tile_pass.Backend`. ``dynamic`` and ``fullgraph`` go to ``torch.compile``.
 
     Call it before building the ``Trainer`` (or an ``SFTTrainer``, or inside a
