@@ -244,20 +244,20 @@ def test_bfloat16_model_no_worse_than_eager_and_split_sum_is_the_float32_sum(fn,
     (gradient formed in forward; re-derived in backward), and within eager's error."""
     import dataclasses
 
-    from tile_pass import _settings, _weight_grad
+    from tile_pass import _plan, _settings
 
     args = _inputs("cpu", dtype=torch.bfloat16)
     backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
     compiled = torch.compile(fn, backend=backend)
-    schedules = []
-    real = _weight_grad.schedule_for
-    monkeypatch.setattr(_weight_grad, "schedule_for", lambda *a: schedules.append(real(*a)) or schedules[-1])
-    outs, grads = _run(compiled, args)
+    with _plan.recorded() as split:
+        outs, grads = _run(compiled, args)
     monkeypatch.setattr(
         _settings, "_current", dataclasses.replace(_settings.current(), weight_grad_sum="float32")
     )
-    _, grads32 = _run(compiled, args)
-    assert [s.value for s in schedules[-2:]] == ["split", "float32"]  # the two runs (the rewrite asks first)
+    with _plan.recorded() as float32:
+        _, grads32 = _run(compiled, args)
+    # the loop that forms the weight gradient (the last: in forward for one loss, else backward's)
+    assert (split[-1].schedule.value, float32[-1].schedule.value) == ("split", "float32")
     assert "two 16-bit planes, rounded over the high one (4 bytes per weight" in (
         backend.report().rewrites[0].weight_grad_sum
     )

@@ -10,6 +10,7 @@ region. Nothing is changed before every step that can refuse has run.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -65,89 +66,144 @@ def _to_hoist(graph: torch.fx.Graph, nodes, point: torch.fx.Node, autocast_state
     return moving
 
 
+@dataclass
+class Splice:
+    """What one region's splice made, step by step; the report reads it (``returned_logits``)."""
+
+    region: RowRegion
+    call: RegionCall
+    members: set[torch.fx.Node] = field(default_factory=set)
+    point: torch.fx.Node | None = None  # the region's first reader outside it: the op goes before it
+    tokens: torch.fx.Node | None = None  # the rows the tiles run: the hidden states after the token slices
+    head: tuple = ()  # (hidden, weight, bias) as the op takes them: sliced, reshaped, cast
+    token_nodes: list[torch.fx.Node] = field(default_factory=list)
+    row_nodes: list[torch.fx.Node] = field(default_factory=list)
+    op: torch.fx.Node | None = None  # the call of run_region
+    restored: dict[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)  # output -> its new value
+    returned_logits: str = "not returned"  # how logits the graph also returns are handled
+
+
 def rewrite_row_region(
-    graph: torch.fx.Graph,
-    region: RowRegion,
-    *,
-    call: RegionCall,
-    result,
-    autocast_states,
-) -> str:
-    """Replace the region by one call of :func:`tile_pass.tiled_region.run_region`; returns how
-    returned rows were handled. Raises ``NoMatch`` before changing anything."""
-    members = set(region.nodes) | set(region.reduction_nodes)
+    graph: torch.fx.Graph, region: RowRegion, *, call: RegionCall, result, autocast_states
+) -> Splice:
+    """Replace the region by one call of :func:`tile_pass.tiled_region.run_region`, in named steps.
+    Raises ``NoMatch`` (from :func:`_hoist`, the only step that can refuse) before changing anything."""
+    splice = Splice(region, call, members=set(region.nodes) | set(region.reduction_nodes))
+    existing = set(graph.nodes)
+    _hoist(graph, splice, autocast_states)
+    with graph.inserting_before(splice.point):
+        _slice_and_cast(graph, splice)
+        _per_token_inputs(graph, splice)
+        _call(graph, splice)
+        _restore_outputs(graph, splice)
+    _show_the_loss_line(graph, splice, existing)
+    _hand_back_returned_logits(graph, splice, result)
+    _erase(graph, splice)
+    return splice
+
+
+def _hoist(graph: torch.fx.Graph, splice: Splice, autocast_states) -> None:
+    """The op goes before the region's first outside reader; its inputs computed later move up."""
+    region = splice.region
     order = {n: i for i, n in enumerate(graph.nodes)}
-    readers = [u for n in members for u in n.users if u not in members]
-    point = min(readers, key=order.__getitem__)
+    readers = [u for n in splice.members for u in n.users if u not in splice.members]
+    splice.point = min(readers, key=order.__getitem__)
     inputs = [region.hidden, region.weight, region.bias, *[t.node for t in region.token_inputs],
               *[r.node for r in region.row_inputs], *region.reduce_inputs]  # fmt: skip
     torch.fx.node.map_arg(region.slices, inputs.append)  # symbolic slice bounds
-    for node in _to_hoist(graph, inputs, point, autocast_states):
-        point.prepend(node)
+    for node in _to_hoist(graph, inputs, splice.point, autocast_states):
+        splice.point.prepend(node)
 
+
+def _slice_and_cast(graph: torch.fx.Graph, splice: Splice) -> None:
+    """The token slices of the hidden states, a broadcast bias flattened, autocast's casts."""
+    region = splice.region
+    tokens = region.hidden
+    for index in region.slices:
+        tokens = graph.call_function(operator.getitem, (tokens, index))
+    hidden, weight, bias = tokens, region.weight, region.bias
+    if bias is not None and val(bias).dim() != 1:  # a [1, 1, V] bias added after the matmul
+        bias = graph.call_method("reshape", (bias, (-1,)))
+    if region.autocast_dtype is not None:  # what autocast does to F.linear's inputs
+        hidden, weight = (graph.call_method("to", (t, region.autocast_dtype)) for t in (hidden, weight))
+        if bias is not None:
+            bias = graph.call_method("to", (bias, region.autocast_dtype))
+    splice.tokens, splice.head = tokens, (hidden, weight, bias)
+
+
+def _per_token_inputs(graph: torch.fx.Graph, splice: Splice) -> None:
+    """The op's per-token inputs flat over the tiles' rows, its row-shared inputs as the rows take
+    them; detached unless a node that needs a gradient reads them."""
+
+    def given(entry):
+        needs = getattr(val(entry.node), "requires_grad", False) and not entry.differentiable
+        return graph.call_method("detach", (entry.node,)) if needs else entry.node
+
+    tokens = splice.tokens
+    splice.token_nodes = [
+        graph.call_function(per_token, (given(t), tokens, t.flat_tokens, len(t.part)))
+        if t.subset is None
+        else graph.call_function(spread, (given(t), tokens, t.flat_tokens, len(t.part), t.subset))
+        for t in splice.region.token_inputs
+    ]  # fmt: skip
+    splice.row_nodes = [
+        given(r) if r.whole else graph.call_method("reshape", (given(r), () if r.zero_dim else (-1,)))
+        for r in splice.region.row_inputs
+    ]
+
+
+def _call(graph: torch.fx.Graph, splice: Splice) -> None:
+    reduce_nodes = [splice.tokens if n is splice.region.hidden else n for n in splice.region.reduce_inputs]
+    splice.op = graph.call_function(
+        run_region,
+        (*splice.head, splice.token_nodes, splice.row_nodes, reduce_nodes),
+        {"call": splice.call.key},
+    )
+
+
+def _restore_outputs(graph: torch.fx.Graph, splice: Splice) -> None:
+    """Each output read back in the shape the user's graph gave it (a selection's rows, a token
+    reduction finished after the tiles); the op's scalar loss replaces the region's sink."""
+    region, tokens = splice.region, splice.tokens
     economy = region.program.reduction is not None
-    existing = set(graph.nodes)
-    with graph.inserting_before(point):
-        tokens = region.hidden  # the rows the tiles run: the hidden states after the token slices
-        for index in region.slices:
-            tokens = graph.call_function(operator.getitem, (tokens, index))
-        hidden, weight, bias = tokens, region.weight, region.bias
-        if bias is not None and val(bias).dim() != 1:  # a [1, 1, V] bias added after the matmul
-            bias = graph.call_method("reshape", (bias, (-1,)))
-        if region.autocast_dtype is not None:  # what autocast does to F.linear's inputs
-            hidden, weight = (graph.call_method("to", (t, region.autocast_dtype)) for t in (hidden, weight))
-            if bias is not None:
-                bias = graph.call_method("to", (bias, region.autocast_dtype))
+    offset = 1 if economy else 0
+    for k, out in enumerate(region.outputs):
+        if economy and out.node is region.sink:  # the op's loss (below) replaces it
+            continue
+        flat = graph.call_function(operator.getitem, (splice.op, k + offset))
+        rows = tokens
+        if out.subset is not None:
+            flat = graph.call_function(select, (flat, tokens, out.subset))
+            rows = graph.call_function(operator.getitem, (tokens, out.subset))
+        if out.after_tiles is not None:
+            after = out.after_tiles
+            value = graph.call_function(
+                after_tiles, (flat, after.how, rows, out.flat_tokens, *after.operands)
+            )
+        else:
+            value = graph.call_function(restore, (flat, rows, out.flat_tokens))
+        splice.restored[out.node] = value
+        out.node.replace_all_uses_with(value, delete_user_cb=lambda user: user not in splice.members)
+    if economy:
+        loss = graph.call_function(operator.getitem, (splice.op, 0))
+        loss.meta.update(region.sink.meta)
+        region.sink.replace_all_uses_with(loss)
 
-        def given(entry):  # what the op takes: detached unless a node that needs a gradient reads it
-            needs = getattr(val(entry.node), "requires_grad", False) and not entry.differentiable
-            return graph.call_method("detach", (entry.node,)) if needs else entry.node
 
-        token_nodes = [
-            graph.call_function(per_token, (given(t), tokens, t.flat_tokens, len(t.part)))
-            if t.subset is None
-            else graph.call_function(spread, (given(t), tokens, t.flat_tokens, len(t.part), t.subset))
-            for t in region.token_inputs
-        ]  # fmt: skip
-        row_nodes = [
-            given(r) if r.whole else graph.call_method("reshape", (given(r), () if r.zero_dim else (-1,)))
-            for r in region.row_inputs
-        ]
-        reduce_nodes = [tokens if n is region.hidden else n for n in region.reduce_inputs]
-        call = graph.call_function(
-            run_region, (hidden, weight, bias, token_nodes, row_nodes, reduce_nodes),
-            {"call": call.key},
-        )  # fmt: skip
-        offset = 1 if economy else 0
-        restored = {}
-        for k, out in enumerate(region.outputs):
-            if economy and out.node is region.sink:  # the op's loss (below) replaces it
-                continue
-            flat = graph.call_function(operator.getitem, (call, k + offset))
-            rows = tokens
-            if out.subset is not None:
-                flat = graph.call_function(select, (flat, tokens, out.subset))
-                rows = graph.call_function(operator.getitem, (tokens, out.subset))
-            if out.after_tiles is not None:
-                after = out.after_tiles
-                args = (flat, after.how, rows, out.flat_tokens, *after.operands)
-                value = graph.call_function(after_tiles, args)
-            else:
-                value = graph.call_function(restore, (flat, rows, out.flat_tokens))
-            restored[out.node] = value
-            out.node.replace_all_uses_with(value, delete_user_cb=lambda user: user not in members)
-        if economy:
-            loss = graph.call_function(operator.getitem, (call, 0))
-            loss.meta.update(region.sink.meta)
-            region.sink.replace_all_uses_with(loss)
-
-    anchor = (region.sink or region.outputs[0].node).meta.get("stack_trace")
-    for node in graph.nodes:  # the inserted nodes show the loss's line in dumps and traces
+def _show_the_loss_line(graph: torch.fx.Graph, splice: Splice, existing: set) -> None:
+    """The inserted nodes show the loss's line in dumps and traces."""
+    anchor = (splice.region.sink or splice.region.outputs[0].node).meta.get("stack_trace")
+    for node in graph.nodes:
         if node not in existing and anchor and not node.meta.get("stack_trace"):
             node.meta["stack_trace"] = anchor
-    handled = "not returned"
+
+
+def _hand_back_returned_logits(graph: torch.fx.Graph, splice: Splice, result) -> None:
+    """Logits the graph also returns: kept whole where the caller asked for all of them, dropped
+    under ``drop_logits``, or written by the tiles with a gradient path (see _returned_logits)."""
+    region = splice.region
     if region.kept_whole:
-        handled = (
+        splice.returned_logits = (
             "returned whole, as the graph computes them (the caller asked for all of them); the loss "
             "tiles the sliced hidden states, so the loss's own float32 copy and gradient of the logits "
             "are not formed"
@@ -155,44 +211,56 @@ def rewrite_row_region(
     output = next(n for n in graph.nodes if n.op == "output")
     outputs = list(output.args[0])
     returned = [o for o in region.outputs if o.shape.layout is Layout.ROWS]
-    if returned or region.dropped:
-        if result.num_outputs == 0:
-            result.num_outputs = len(outputs)
-        extra_base = len(outputs) - result.num_outputs
-        extras: list[torch.fx.Node] = []
-        for node in region.dropped:
-            for position in [i for i, n in enumerate(outputs) if n is node]:
-                outputs[position] = None
-                result.returned_logits.append(ReturnedLogits(
-                    position, [extra_base + len(extras)], None, val(region.weight).shape[0], val(node).dtype
-                ))  # fmt: skip
-                extras.append(region.hidden)
-            handled = "dropped (drop_logits=True): a zero-byte NaN placeholder is returned"
-        prefix_inputs = [hidden, weight, *([bias] if bias is not None else []), *token_nodes, *row_nodes]
-        for out in returned:
-            k = region.outputs.index(out)
-            for position in [i for i, n in enumerate(outputs) if n is restored[out.node]]:
-                if out.differentiable:
-                    prefix = _ProgramPrefix(region.program, k, out.flat_tokens, region.bias is not None)
-                    first = extra_base + len(extras)
-                    result.returned_logits.append(
-                        ReturnedLogits(position, list(range(first, first + len(prefix_inputs))), prefix)
-                    )
-                    extras += prefix_inputs
-            handled = (
-                "returned exactly, written by the tiles (no extra GEMM) in the dtype the graph returns, and "
-                "its gradient is computed only if the caller uses it"
-            )
-        output.args = ((*outputs, *extras),)
-    kept: set[torch.fx.Node] = set()  # the returned rows before a slice, and what they are computed from
-    stack = list(region.kept_whole)
+    if not (returned or region.dropped):
+        return
+    if result.num_outputs == 0:
+        result.num_outputs = len(outputs)
+    extra_base = len(outputs) - result.num_outputs
+    extras: list[torch.fx.Node] = []
+    for node in region.dropped:
+        for position in [i for i, n in enumerate(outputs) if n is node]:
+            outputs[position] = None
+            result.returned_logits.append(ReturnedLogits(
+                position, [extra_base + len(extras)], None, val(region.weight).shape[0], val(node).dtype
+            ))  # fmt: skip
+            extras.append(region.hidden)
+        splice.returned_logits = "dropped (drop_logits=True): a zero-byte NaN placeholder is returned"
+    hidden, weight, bias = splice.head
+    prefix_inputs = [
+        hidden,
+        weight,
+        *([bias] if bias is not None else []),
+        *splice.token_nodes,
+        *splice.row_nodes,
+    ]
+    for out in returned:
+        k = region.outputs.index(out)
+        for position in [i for i, n in enumerate(outputs) if n is splice.restored[out.node]]:
+            if out.differentiable:
+                prefix = _ProgramPrefix(region.program, k, out.flat_tokens, region.bias is not None)
+                first = extra_base + len(extras)
+                result.returned_logits.append(
+                    ReturnedLogits(position, list(range(first, first + len(prefix_inputs))), prefix)
+                )
+                extras += prefix_inputs
+        splice.returned_logits = (
+            "returned exactly, written by the tiles (no extra GEMM) in the dtype the graph returns, and "
+            "its gradient is computed only if the caller uses it"
+        )
+    output.args = ((*outputs, *extras),)
+
+
+def _erase(graph: torch.fx.Graph, splice: Splice) -> None:
+    """The region's nodes, except returned rows before a slice and what they are computed from."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    kept: set[torch.fx.Node] = set()
+    stack = list(splice.region.kept_whole)
     while stack:
         node = stack.pop()
-        if node in members and node not in kept:
+        if node in splice.members and node not in kept:
             kept.add(node)
             stack.extend(node.all_input_nodes)
-    for node in sorted(members - kept, key=order.__getitem__, reverse=True):
+    for node in sorted(splice.members - kept, key=order.__getitem__, reverse=True):
         if node.users:
             raise RuntimeError(f"tile_pass: internal error, {describe(node)} is still read after the rewrite")
         graph.erase_node(node)
-    return handled

@@ -205,7 +205,7 @@ def _rewrite_row_regions(
             current[:] = [region.projection, region.sink or region.outputs[0].node]
             covered = set(region.nodes) | set(region.reduction_nodes)
             loss_line = source_line(region.sink or region.outputs[0].node)
-            handled = _splice.rewrite_row_region(
+            splice = _splice.rewrite_row_region(
                 gm.graph, region, call=RegionCall(region.program.key, tile, options.runs_compiled_tiles),
                 result=result, autocast_states=states,
             )  # fmt: skip
@@ -249,7 +249,7 @@ def _rewrite_row_regions(
                 tile_tokens=tile_now,
                 num_tiles=_plain((num_tokens + tile_now - 1) // tile_now),
                 **logits_bytes_fields(num_tokens * vocab, itemsize, kept, tile_buffer, _plain),
-                returned_logits=handled,
+                returned_logits=splice.returned_logits,
                 returned_logits_bytes=_plain(kept),
                 compiled_tiles=options.compile_tiles,
                 weight_grad_sum=_weight_grad_sum(schedule if weight.requires_grad else None, dtype),
