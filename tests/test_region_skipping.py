@@ -154,15 +154,16 @@ def test_zero_expressions_combine_their_parts_flags_and_exactness():
 
 
 def test_zero_rules_are_for_ops_the_matcher_replays():
-    """A zero rule names an op as a step the matcher builds does (``target_name``), once."""
-    from tile_pass import _region, _rules
+    """A zero rule is a fact of an op that has a row-wise rule, registered once."""
+    from tile_pass import _op_facts, _region
     from tile_pass._region import Ref, RefKind, Step, ZeroAny, ZeroIf, ZeroKind
 
-    replayed = {_region.target_name(t) for t in (*_rules.RULES, *_rules._OUT_OF_PLACE.values())}
-    assert set(_region.ZERO_RULES) <= replayed, set(_region.ZERO_RULES) - replayed
+    zeroed = {key for key, facts in _op_facts.FACTS.items() if facts.zeros is not None}
+    assert all(_op_facts.FACTS[key].kind is not None for key in zeroed), zeroed
+    facts = {name: getattr(_op_facts.FACTS["mul"], name) for name in _op_facts.FACT_NAMES}
     with pytest.raises(ValueError, match="already"):
-        _region.register_zero_rule("mul", "a_new_op")(lambda step, of, token: None)
-    assert "a_new_op" not in _region.ZERO_RULES
+        _op_facts.register_ops("mul", "a_new_op", kind=None, **{**facts, "shown": _op_facts.AS_KEY})(None)
+    assert "a_new_op" not in _op_facts.FACTS
     ignored = ZeroIf(0, ZeroKind.EQUALS, -100)
     value, mask = Ref(RefKind.VALUE, 1), Ref(RefKind.TOKEN, 1)
     product = Step("call_function", torch.mul, (value, mask))

@@ -389,12 +389,13 @@ def test_enums_have_a_process_independent_canonical_form():
     assert _region.row_part("tokens1", 7) == _region.row_part(Layout.TOKENS1, 7) == (1,)
 
 
-def test_every_rule_is_registered_once_per_target():
-    from tile_pass import _rules
+def test_every_rule_is_registered_once_per_op():
+    from tile_pass import _op_facts
     from tile_pass._rules import RuleKind
 
-    assert _rules.RULES[torch.gather].kind is RuleKind.GATHER
-    assert _rules.RULES["mul_"].kind is RuleKind.INPLACE and _rules.RULES[F.kl_div].kind is RuleKind.LOSS
-    with pytest.raises(ValueError, match="already has"):
-        _rules.register_rule(RuleKind.VIEW, torch.gather)(lambda matcher, node: [])
-    assert _rules.RULES[torch.gather].kind is RuleKind.GATHER
+    assert _op_facts.facts_for(torch.gather).kind is RuleKind.GATHER
+    assert _op_facts.facts_for(F.kl_div).kind is RuleKind.LOSS
+    facts = {name: getattr(_op_facts.FACTS["gather"], name) for name in _op_facts.FACT_NAMES}
+    with pytest.raises(ValueError, match="already have facts"):
+        _op_facts.register_ops("gather", kind=RuleKind.VIEW, **facts)(lambda matcher, node: [])
+    assert _op_facts.facts_for("gather").kind is RuleKind.GATHER

@@ -26,11 +26,13 @@ the shard given explicitly, :data:`VOCAB_SHARD_META`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import operator
 
 import torch
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
+
+from tile_pass._op_facts import facts_for
 
 #: ``node.meta`` key of a graph's LM-head weight holding ``(process group name, this rank's
 #: first row, its rows)``: the matcher builds the sharded program of that head. The weight's
@@ -143,16 +145,6 @@ def shard_nll_loss(x, target, *, group_name, vocab_start, ignore_index, reductio
     return torch.where(target != ignore_index, -picked, torch.zeros_like(picked))
 
 
-_METHOD_STEPS = {"sum": shard_sum, "mean": shard_mean, "logsumexp": shard_logsumexp}
-_FUNCTION_STEPS = {
-    F.log_softmax: shard_log_softmax,
-    F.softmax: shard_softmax,
-    torch.gather: shard_gather,
-    F.cross_entropy: shard_cross_entropy,
-    F.nll_loss: shard_nll_loss,
-}
-
-
 def shard_elementwise(target, op: str, replicated: tuple[int, ...], group_name: str, *args, **kwargs):
     """An elementwise step of the rows whose operands at ``replicated`` are per-token values
     computed from the logits: those enter the shard through :func:`into_shard`."""
@@ -163,16 +155,19 @@ def shard_elementwise(target, op: str, replicated: tuple[int, ...], group_name: 
 
 
 def shard_step(step, group_name: str, vocab_start: int, vocab_size: int):
-    """The group-wide form of a region step over the vocabulary, or ``None`` where there is no
-    such form here (the caller declines the region, naming the op)."""
+    """The group-wide form of a region step over the vocabulary (its op's ``sharded`` fact, a
+    function of this module), or ``None`` where there is none (the caller declines the region,
+    naming the op)."""
     kwargs = dict(step.kwargs)
-    function = (_METHOD_STEPS if step.op == "call_method" else _FUNCTION_STEPS).get(step.target)
-    if function is None or "weight" in kwargs:
+    facts = facts_for(step.target)
+    if facts is None or facts.sharded is None or "weight" in kwargs:
         return None
+    function = globals()[facts.sharded]
     shard = {"group_name": group_name}
-    if function in (shard_gather, shard_cross_entropy, shard_nll_loss):
+    parameters = inspect.signature(function).parameters
+    if "vocab_start" in parameters:
         shard["vocab_start"] = vocab_start
-    if function in (shard_mean, shard_cross_entropy):
+    if "vocab_size" in parameters:
         shard["vocab_size"] = vocab_size
     return dataclasses.replace(
         step, op="call_function", target=function, kwargs=tuple({**kwargs, **shard}.items())

@@ -19,12 +19,7 @@ import torch
 import torch.fx
 
 from tile_pass import _rules
-from tile_pass._region import target_name
-
-#: ops over trailing dimensions whose integer arguments are dimensions
-_DIM_OPS = {"logsumexp", "log_softmax", "softmax", "gather", "sum", "mean", "amax", "amin", "squeeze",
-            "unsqueeze"}  # fmt: skip
-_FOLDABLE = set(_rules.RuleKind) - {_rules.RuleKind.INPLACE, _rules.RuleKind.GETITEM, _rules.RuleKind.LOSS}
+from tile_pass._op_facts import Fold, RuleKind, facts_for
 
 
 def _row_of(node, batch: int):
@@ -43,11 +38,13 @@ def _row_of(node, batch: int):
 
 
 def _foldable(node: torch.fx.Node) -> bool:
+    """By the op's ``folds`` fact; never an in-place write (its rule's kind is ``INPLACE``)."""
     rule = _rules.rule_for(node)
-    if rule is None or rule.kind not in _FOLDABLE:
+    if rule is None or rule.kind is RuleKind.INPLACE:
         return False
-    if target_name(node.target).strip("_") not in _DIM_OPS:
-        return rule.kind is _rules.RuleKind.ELEMENTWISE
+    folds = facts_for(node.target).folds
+    if folds is not Fold.NEGATIVE_DIMS:
+        return folds is Fold.ALWAYS
     dims = [a for a in node.args[1:] if isinstance(a, int) and not isinstance(a, bool)]
     dims += [v for k, v in node.kwargs.items() if k == "dim"]
     return all(isinstance(d, int) and d < 0 for d in dims)

@@ -23,12 +23,13 @@ import functools
 import hashlib
 import operator
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from tile_pass._op_facts import RuleKind, facts_for
 
 
 class Layout(str, enum.Enum):
@@ -84,8 +85,9 @@ class Step:
     def describe(self) -> str:
         """The step as the report shows it: its name, the numbers it applies (a soft-cap's
         ``div(30.0)``) and a loss's options, never its token operands."""
-        name = _SHOWN_AS.get(target_name(self.target), target_name(self.target))
-        if name in _LOSS_NAMES:
+        facts = facts_for(self.target)
+        name = facts.shown if facts is not None else target_name(self.target)
+        if facts is not None and facts.kind is RuleKind.LOSS:
             options = dict(self.kwargs)
             shown = [f"ignore_index={options['ignore_index']}"] if "ignore_index" in options else []
             if options.get("label_smoothing"):
@@ -96,24 +98,10 @@ class Step:
                 shown.append("class probabilities")
             return f"{name}({', '.join(shown)})"
         numbers = [repr(a) for a in self.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
-        if name in _VIEWS or not numbers:
+        if (facts is not None and not facts.shows_numbers) or not numbers:
             return f".{name}()" if self.op == "call_method" else name
         shown = f"{name}({', '.join(numbers)})"
         return f".{shown}" if self.op == "call_method" else shown
-
-
-#: how the report names an op whatever way the user's code spelled it
-_SHOWN_AS = {
-    "truediv": "div", "true_divide": "div", "__truediv__": "div", "__mul__": "mul", "__rmul__": "mul",
-    "__add__": "add", "__radd__": "add", "__sub__": "sub", "__rsub__": "rsub", "__neg__": "neg",
-    "__pow__": "pow", "__rtruediv__": "rdiv",
-}  # fmt: skip
-_LOSS_NAMES = frozenset({"cross_entropy", "nll_loss", "kl_div"})
-#: steps whose numbers are dimensions, not values applied to the logits
-_VIEWS = frozenset({
-    "reshape", "view", "flatten", "contiguous", "squeeze", "unsqueeze", "sum", "mean", "logsumexp", "amax",
-    "amin", "argmax", "argmin", "max", "min", "softmax", "log_softmax", "gather",
-})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -196,36 +184,13 @@ class ZeroAll(_ZeroParts):
     _combine = staticmethod(operator.and_)
 
 
-#: op name (:func:`target_name`) -> ``rule(step, of, token)``: where the step's value is zero, from
-#: ``of(arg)`` (an operand's :class:`Zeros` or ``None``) and ``token(arg)`` (a per-token input?)
-ZERO_RULES: dict[str, Callable[..., Zeros | None]] = {}
-
-
-def register_zero_rule(*names: str):
-    """Make the decorated function the zero rule of each op in ``names``, as :mod:`_rules` does."""
-
-    def register(rule):
-        if taken := ZERO_RULES.keys() & set(names):
-            raise ValueError(f"{sorted(taken)} already have a zero rule")
-        ZERO_RULES.update(dict.fromkeys(names, rule))
-        return rule
-
-    return register
-
-
-def _number(arg) -> bool:
-    return isinstance(arg, (int, float)) and not isinstance(arg, bool)
-
-
-def _either(*parts) -> Zeros | None:
-    parts = tuple(p for p in parts if p is not None)
-    return None if not parts else parts[0] if len(parts) == 1 else ZeroAny(parts)
-
-
 def zero_where(step: Step, zeros_of: dict[int, Zeros | None], per_token: frozenset[int]) -> Zeros | None:
-    """Where a step's value is zero whatever the logits (``None``: nowhere known), by its op's rule,
-    from its operands' (``zeros_of``, by value index) and the per-token inputs (``per_token``)."""
-    rule = ZERO_RULES.get(target_name(step.target))
+    """Where a step's value is zero whatever the logits (``None``: nowhere known), by its op's
+    ``zeros`` fact (``tile_pass._rules``), from its operands' (``zeros_of``, by value index) and
+    the per-token inputs (``per_token``)."""
+    facts = facts_for(step.target)
+    if facts is None or facts.zeros is None:
+        return None
 
     def of(arg):
         return zeros_of.get(arg.index) if isinstance(arg, Ref) and arg.kind is RefKind.VALUE else None
@@ -233,69 +198,7 @@ def zero_where(step: Step, zeros_of: dict[int, Zeros | None], per_token: frozens
     def token(arg) -> bool:
         return isinstance(arg, Ref) and arg.kind is RefKind.TOKEN and arg.index in per_token
 
-    return rule(step, of, token) if rule is not None else None
-
-
-@register_zero_rule("cross_entropy", "nll_loss")
-def _ignored_label(step, of, token):
-    """A loss is zero, and its gradient too, at a token whose label is ``ignore_index``."""
-    kwargs = dict(step.kwargs)
-    target = step.args[1] if len(step.args) > 1 else kwargs.get("target")
-    return ZeroIf(target.index, ZeroKind.EQUALS, kwargs.get("ignore_index", -100)) if token(target) else None
-
-
-@register_zero_rule("mul", "__mul__", "__rmul__", "mul_")
-def _product(step, of, token):
-    """Zero where a factor is; a per-token factor where it is 0, but not for ``inf`` logits (0 * inf)."""
-    factors = [ZeroIf(a.index, ZeroKind.ZERO, exact=False) if token(a) else of(a) for a in step.args]
-    return _either(*factors) if len(factors) == 2 else None
-
-
-@register_zero_rule("truediv", "div", "__truediv__")
-def _divide(step, of, token):
-    """Zero where the dividend is, divided by a nonzero number."""
-    return of(step.args[0]) if len(step.args) == 2 and _number(step.args[1]) and step.args[1] != 0 else None
-
-
-@register_zero_rule("pow", "__pow__")
-def _power(step, of, token):
-    """Zero where the base is, to a positive power (``0 ** 0`` is 1)."""
-    return of(step.args[0]) if len(step.args) == 2 and _number(step.args[1]) and step.args[1] > 0 else None
-
-
-@register_zero_rule("add", "sub", "__add__", "__sub__", "__radd__", "__rsub__", "add_", "sub_", "rsub")
-def _sum(step, of, token):
-    """Zero where both terms are."""
-    a, b = (of(arg) for arg in step.args) if len(step.args) == 2 else (None, None)
-    return None if a is None or b is None else ZeroAll((a, b))
-
-
-@register_zero_rule("where")
-def _where(step, of, token):
-    """``where(mask, x, 0)`` is zero where the mask is false or ``x`` is; ``where(mask, 0, y)``: true."""
-    if len(step.args) != 3 or not token(step.args[0]):
-        return None
-    cond, x, y = step.args
-    if _number(y) and y == 0:
-        return _either(ZeroIf(cond.index, ZeroKind.FALSE), of(x))
-    return _either(ZeroIf(cond.index, ZeroKind.TRUE), of(y)) if _number(x) and x == 0 else None
-
-
-@register_zero_rule("masked_fill", "masked_fill_")
-def _masked_fill(step, of, token):
-    """``masked_fill(mask, 0)`` is zero where the mask is true or the input is zero."""
-    args = step.args
-    if len(args) >= 3 and token(args[1]) and _number(args[2]) and args[2] == 0:
-        return _either(ZeroIf(args[1].index, ZeroKind.TRUE), of(args[0]))
-    return None
-
-
-@register_zero_rule("neg", "abs", "detach", "float", "double", "half", "bfloat16", "to", "type", "reshape",
-                    "view", "squeeze", "unsqueeze", "contiguous", "flatten", "sum", "gather", "relu", "tanh",
-                    "sign", "square", "sqrt")  # fmt: skip
-def _keeps_zeros(step, of, token):
-    """``f(0) == 0``: zero where the (first) operand is."""
-    return of(step.args[0]) if step.args else None
+    return facts.zeros(step, of, token)
 
 
 @dataclass(frozen=True)

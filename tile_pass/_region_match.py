@@ -37,17 +37,14 @@ import torch.nn.functional as F
 from tile_pass import _fx, _region, _rules
 from tile_pass._fx import NoMatch, as_linear, describe, leading_index, same, same_shape, val
 from tile_pass._logging import log
-from tile_pass._region import Layout, Output, ReductionProgram, Ref, RefKind, RowProgram, Step, target_name
+from tile_pass._op_facts import FACTS, Linear, Selects, facts_for, spelling
+from tile_pass._region import Layout, Output, ReductionProgram, Ref, RefKind, RowProgram, Step
 from tile_pass._rules import PREVIOUS_STEP, AfterTiles, Classified, RuleKind, Shape
 from tile_pass._token_layout import after_tiles, restore, select
 from tile_pass.report import source_line
 
 _ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
 _EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
-#: ops that make a projection an LM-head candidate worth reporting (a norm's mean or a
-#: router's softmax are row-wise too, but their projections are not heads)
-_HEAD_SIGNS = {"logsumexp", "log_softmax", "gather", F.cross_entropy, F.nll_loss, F.kl_div, F.log_softmax,
-               torch.log_softmax, torch.logsumexp, torch.gather}  # fmt: skip
 
 
 @dataclass
@@ -202,12 +199,6 @@ def _no_op_redistribute(node: torch.fx.Node) -> bool:
     meshes = [getattr(v, "device_mesh", None) for v in (out, inp)]
     return placements[0] is not None and placements[0] == placements[1] and meshes[0] == meshes[1]
 
-
-#: ops that cut the token rows into pieces (each a row selection, in the second matching pass)
-_SPLITS = frozenset({"chunk", "split", "narrow", "tensor_split"})
-
-#: the ways Dynamo records ``a + b``
-_BIAS_ADDS = frozenset({"add", "__add__", "__radd__", "iadd", "add_"})
 
 #: the rules whose steps work over the vocabulary: a sharded region replaces them by their group-wide form
 _OVER_VOCAB = (RuleKind.VOCAB_REDUCTION, RuleKind.NORMALIZE, RuleKind.GATHER, RuleKind.LOSS)
@@ -452,18 +443,20 @@ class RegionMatcher:
         a mean over the selection keeps eager's denominator."""
         if node.op not in ("call_function", "call_method") or not node.args:
             return False
-        source, name = node.args[0], target_name(node.target)
+        source, facts = node.args[0], facts_for(node.target)
+        selects = None if facts is None else facts.selects
         shape = self.shape_of(source)
-        if name in _SPLITS and shape is not None and shape.layout is Layout.ROWS:
+        splits = selects in (Selects.PIECES, Selects.ONE_PIECE)
+        if splits and shape is not None and shape.layout is Layout.ROWS:
             self.saw_selection = True  # the second pass takes it
         if not self.select_rows:
             return False
-        if name == "getitem" and source in self.split_parts and isinstance(node.args[1], int):
+        if selects is Selects.INDEX and source in self.split_parts and isinstance(node.args[1], int):
             index, shape = self.split_parts[source][node.args[1]], self.shape_of(self.split_source[source])
             source = self.split_source[source]
-        elif name in _SPLITS and shape is not None and shape.layout is Layout.ROWS:
-            return self._split(node, name, source, shape)
-        elif name == "getitem" and shape is not None and shape.layout is Layout.ROWS:
+        elif splits and shape is not None and shape.layout is Layout.ROWS:
+            return self._split(node, selects is Selects.ONE_PIECE, source, shape)
+        elif selects is Selects.INDEX and shape is not None and shape.layout is Layout.ROWS:
             index = leading_index(node, len(shape.tokens) + 1)
             if index is None:
                 return False
@@ -477,11 +470,11 @@ class RegionMatcher:
             raise NoMatch("{} selects token rows with a symbolic bound", node)
         return self.row_selection_of(node, source, index)
 
-    def _split(self, node: torch.fx.Node, name: str, source: torch.fx.Node, shape: Shape) -> bool:
+    def _split(self, node: torch.fx.Node, one_piece: bool, source: torch.fx.Node, shape: Shape) -> bool:
         """``logits.chunk(2)``, ``logits.split(B)``, ``logits.narrow(0, 0, B)`` over a token
         dimension: each piece is a selection of the rows (a ``narrow`` one piece)."""
         ndim = len(shape.tokens) + 1
-        default = node.args[1] if name == "narrow" else node.args[2] if len(node.args) > 2 else 0
+        default = node.args[1] if one_piece else node.args[2] if len(node.args) > 2 else 0
         dim = node.kwargs.get("dim", default)
         if not isinstance(dim, int) or not 0 <= dim % ndim < ndim - 1:
             raise NoMatch("{} splits the logits along the vocabulary, not the token rows", node)
@@ -492,7 +485,7 @@ class RegionMatcher:
         def index(start, stop):
             return (*(slice(None),) * dim, slice(start, stop), *(slice(None),) * (ndim - dim - 1))
 
-        if name == "narrow":
+        if one_piece:  # narrow(dim, start, length)
             start, length = node.args[2:4] if len(node.args) >= 4 else (None, None)
             if not isinstance(start, int) or not isinstance(length, int):
                 raise NoMatch("{} selects token rows with a symbolic bound", node)
@@ -528,7 +521,8 @@ class RegionMatcher:
         """``x @ W.t() + b`` (or ``logits += b``) with a ``[V]`` bias of the logits' dtype, the
         projection's only reader: the bias joins the projection, as ``F.linear(x, W, b)`` (the
         same sum, one rounding less), so a learnable bias is differentiated as a linear's is."""
-        if node.op not in ("call_function", "call_method") or target_name(node.target) not in _BIAS_ADDS:
+        facts = facts_for(node.target) if node.op in ("call_function", "call_method") else None
+        if facts is None or not facts.bias_add:
             return False
         if self.bias is not None or self.shard is not None or self.autocast_dtype is not None or node.kwargs:
             return False
@@ -646,10 +640,9 @@ class RegionMatcher:
             self.depends.add(node)
             if any(a in cone for a in node.all_input_nodes) and not _projection_like(node):
                 cone.add(node)
-                try:  # a loss-like op reading the logits, however far: this projection is a head
-                    sign = node.target in _HEAD_SIGNS
-                except TypeError:  # an unhashable target
-                    sign = False
+                # a loss-like op reading the logits, however far: this projection is a head
+                facts = facts_for(node.target) if node.op in ("call_function", "call_method") else None
+                sign = facts is not None and facts.head_sign
                 read = val(node.args[0] if node.args else node.kwargs.get("input"))  # over this vocabulary
                 self.head_signs |= sign and read is not None and same(read.shape[-1], self.vocab)
             if any(a in self.depends and a not in self.values for a in node.all_input_nodes):
@@ -842,32 +835,29 @@ class RegionMatcher:
         return nodes, steps, sink, inputs, env[sink].index
 
 
-#: token reductions and regroupings, linear in their first operand
-_LINEAR_IN_FIRST = {"sum", "mean", "view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "neg",
-                    "float", "double", "to", "type", "getitem"}  # fmt: skip
-
-
 def _linear_in(node: torch.fx.Node, linear: set[torch.fx.Node]) -> bool:
-    """Whether ``node`` is linear in the values of ``linear`` it reads (phase 4): a token reduction,
-    a regrouping, a dtype cast, a sum, or a product or quotient by something else; not in place."""
+    """Whether ``node`` is linear in the values of ``linear`` it reads (phase 4), by its op's
+    ``linear`` fact: a token reduction, a regrouping, a dtype cast, a sum, or a product or
+    quotient by something else; not an in-place method."""
     if not any(a in linear for a in node.all_input_nodes) or _rules.rule_for(node) is None:
         return False
-    if isinstance(node.target, str) and node.target.endswith("_"):
+    spelled = spelling(node.target)
+    if spelled.inplace and isinstance(node.target, str):
         return False
-    name = target_name(node.target).strip("_").removeprefix("i")
+    how = FACTS[spelled.key].linear
     dependent = [a for a in node.args if isinstance(a, torch.fx.Node) and a in linear]
     first = bool(node.args) and node.args[0] in linear
     if any(isinstance(v, torch.fx.Node) and v in linear for v in node.kwargs.values()):
         return False
-    if name in ("to", "type") and any(not isinstance(a, torch.dtype) for a in node.args[1:]):
+    if how is Linear.CAST and any(not isinstance(a, torch.dtype) for a in node.args[1:]):
         return False
-    if name in _LINEAR_IN_FIRST:
+    if how in (Linear.FIRST, Linear.CAST):
         return first and len(dependent) == 1
-    if name in ("mul", "rmul"):
+    if how is Linear.FACTOR:
         return len(dependent) == 1
-    if name in ("truediv", "div"):
+    if how is Linear.DIVIDEND:
         return first and len(dependent) == 1 and node.kwargs.get("rounding_mode") is None
-    return name in ("add", "sub", "radd", "rsub")
+    return how is Linear.TERMS
 
 
 def match_row_region(

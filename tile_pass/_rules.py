@@ -1,15 +1,16 @@
-"""Which ops act on each token's row of logits independently: one rule per op.
+"""Which ops act on each token's row of logits independently: one rule per op, and its facts.
 
 A region may contain an op only if a rule here proves that the op, run on a tile of rows,
-gives those rows' slice of what it gives on all of them. Rules are registered per op with
-:func:`register_rule` (as Inductor's AutoChunker registers its per-op propagation rules) in
-one table keyed by the node's target as Dynamo records it: a torch function, an ``operator``
-function, or a method name. A rule takes the matcher and the node, checks the node's
-arguments (the reduced dimension is the vocabulary, an index is per-token, ...) and returns
-the :class:`Classified` steps to replay on a tile, or raises :class:`NoMatch` naming what it
+gives those rows' slice of what it gives on all of them. Each rule is registered with every
+other fact about its ops (where the op is zero, in which operands it is linear, its sharded
+form, whether a per-row loop of it folds, its report name, ...) by
+:func:`tile_pass._op_facts.register_ops`, on the op's canonical key (one for all the ways
+Dynamo spells it). A rule takes the matcher and the node, checks the node's arguments (the
+reduced dimension is the vocabulary, an index is per-token, ...) and returns the
+:class:`Classified` steps to replay on a tile, or raises :class:`NoMatch` naming what it
 found. Anything without a rule stops the region.
 
-The kinds of rule are :class:`RuleKind`'s.
+Adding an op is one registration here: its rule (often an existing one) and its facts.
 """
 
 from __future__ import annotations
@@ -27,28 +28,19 @@ import torch.fx
 import torch.nn.functional as F
 
 from tile_pass._fx import NoMatch, same, same_shape, val
-from tile_pass._region import Layout, Ref, RefKind, Step, row_part, target_name
-
-
-class RuleKind(enum.Enum):
-    """What a rule proves of its op; the loop folder (:mod:`tile_pass._fold_loops`) reads it too.
-
-    * ``ELEMENTWISE``: unary and binary maths, comparisons, ``where``, casts (no device move);
-      tensor operands are per-token (sliced per tile) or shared by every row (0-d, ``[V]``);
-    * ``INPLACE``: ``x += b``, ``x.mul_(s)``, ...: replayed out of place when nothing else reads ``x``;
-    * ``VIEW``: ``view``/``reshape``/``flatten``/``contiguous``/``squeeze(-1)``/``unsqueeze(-1)``
-      that only regroup the token dimensions;
-    * ``VOCAB_REDUCTION``: ``sum``/``mean``/``logsumexp``/``amax``/``amin``/``argmax``/``argmin``/
-      ``max``/``min`` over the vocabulary dimension; ``sum``/``mean`` over everything are split
-      into a row sum and a token reduction after the tiles;
-    * ``NORMALIZE``: ``softmax``/``log_softmax`` over the vocabulary dimension;
-    * ``GATHER``: ``gather(-1, ids)`` with one per-token index;
-    * ``GETITEM``: the values or the indices of ``max(dim)``/``min(dim)``;
-    * ``LOSS``: ``cross_entropy``/``nll_loss`` on ``[tokens, V]`` (any reduction: a mean is the
-      per-token losses summed after the tiles over eager's denominator) and ``kl_div``.
-    """
-
-    ELEMENTWISE, INPLACE, VIEW, VOCAB_REDUCTION, NORMALIZE, GATHER, GETITEM, LOSS = range(8)
+from tile_pass._op_facts import (
+    AS_KEY,
+    FACTS,
+    Fold,
+    Linear,
+    OpFacts,
+    RuleKind,
+    Selects,
+    declare_ops,
+    register_ops,
+    spelling,
+)
+from tile_pass._region import Layout, Ref, RefKind, Step, ZeroAll, ZeroAny, ZeroIf, ZeroKind, Zeros, row_part
 
 
 @dataclass(frozen=True)
@@ -113,29 +105,18 @@ class Rule:
     classify: ClassifyFn
 
 
-RULES: dict[Any, Rule] = {}
-
-
-def register_rule(kind: RuleKind, *targets) -> Callable[[ClassifyFn], ClassifyFn]:
-    """Make the decorated function the rule of each of ``targets``."""
-
-    def register(classify: ClassifyFn) -> ClassifyFn:
-        for target in targets:
-            if target in RULES and RULES[target].kind is not kind:
-                raise ValueError(f"{target!r} already has a {RULES[target].kind} rule")
-            RULES[target] = Rule(kind, classify)
-        return classify
-
-    return register
-
-
-def rule_for(node: torch.fx.Node) -> Rule | None:
+def rule_for(node: torch.fx.Node) -> Rule | OpFacts | None:
+    """The row-wise rule of ``node``'s op as spelled (an in-place spelling's is :func:`_inplace`,
+    if its op's facts allow it); ``None``: the op stops a region."""
     if node.op not in ("call_function", "call_method"):
         return None
-    try:
-        return RULES.get(node.target)
-    except TypeError:  # an unhashable target
+    spelled = spelling(node.target)
+    facts = None if spelled is None else FACTS.get(spelled.key)
+    if facts is None or facts.kind is None:
         return None
+    if spelled.inplace:
+        return _INPLACE if facts.inplace else None
+    return facts
 
 
 # ------------------------------------------------------------------------ argument binding
@@ -186,37 +167,150 @@ def _rows_operand(matcher, node: torch.fx.Node, source=None) -> tuple[Ref, Shape
     return matcher.value_ref(source), shape
 
 
+# ------------------------------------------------------------------------------ zero rules
+# ``rule(step, of, token)``: where the step's value is zero whatever the logits, from ``of(arg)``
+# (an operand's :class:`~tile_pass._region.Zeros` or ``None``) and ``token(arg)`` (a per-token
+# input?); read by :func:`tile_pass._region.zero_where`, registered as an op's ``zeros`` fact.
+
+
+def _number(arg) -> bool:
+    return isinstance(arg, (int, float)) and not isinstance(arg, bool)
+
+
+def _either(*parts) -> Zeros | None:
+    parts = tuple(p for p in parts if p is not None)
+    return None if not parts else parts[0] if len(parts) == 1 else ZeroAny(parts)
+
+
+def _ignored_label(step, of, token):
+    """A loss is zero, and its gradient too, at a token whose label is ``ignore_index``."""
+    kwargs = dict(step.kwargs)
+    target = step.args[1] if len(step.args) > 1 else kwargs.get("target")
+    return ZeroIf(target.index, ZeroKind.EQUALS, kwargs.get("ignore_index", -100)) if token(target) else None
+
+
+def _product(step, of, token):
+    """Zero where a factor is; a per-token factor where it is 0, but not for ``inf`` logits (0 * inf)."""
+    factors = [ZeroIf(a.index, ZeroKind.ZERO, exact=False) if token(a) else of(a) for a in step.args]
+    return _either(*factors) if len(factors) == 2 else None
+
+
+def _divide(step, of, token):
+    """Zero where the dividend is, divided by a nonzero number."""
+    return of(step.args[0]) if len(step.args) == 2 and _number(step.args[1]) and step.args[1] != 0 else None
+
+
+def _power(step, of, token):
+    """Zero where the base is, to a positive power (``0 ** 0`` is 1)."""
+    return of(step.args[0]) if len(step.args) == 2 and _number(step.args[1]) and step.args[1] > 0 else None
+
+
+def _sum(step, of, token):
+    """Zero where both terms are."""
+    a, b = (of(arg) for arg in step.args) if len(step.args) == 2 else (None, None)
+    return None if a is None or b is None else ZeroAll((a, b))
+
+
+def _where(step, of, token):
+    """``where(mask, x, 0)`` is zero where the mask is false or ``x`` is; ``where(mask, 0, y)``: true."""
+    if len(step.args) != 3 or not token(step.args[0]):
+        return None
+    cond, x, y = step.args
+    if _number(y) and y == 0:
+        return _either(ZeroIf(cond.index, ZeroKind.FALSE), of(x))
+    return _either(ZeroIf(cond.index, ZeroKind.TRUE), of(y)) if _number(x) and x == 0 else None
+
+
+def _masked_fill(step, of, token):
+    """``masked_fill(mask, 0)`` is zero where the mask is true or the input is zero."""
+    args = step.args
+    if len(args) >= 3 and token(args[1]) and _number(args[2]) and args[2] == 0:
+        return _either(ZeroIf(args[1].index, ZeroKind.TRUE), of(args[0]))
+    return None
+
+
+def _keeps_zeros(step, of, token):
+    """``f(0) == 0``: zero where the (first) operand is."""
+    return of(step.args[0]) if step.args else None
+
+
 # ------------------------------------------------------------------------------ rules
+# Each registration states every fact of its ops (see tile_pass._op_facts.OpFacts).
+_ELEMENTWISE = RuleKind.ELEMENTWISE
+#: the facts an elementwise op shares with every other, stated once: no sharded form (it needs
+#: none), it signs no head, selects no rows and is no bias
+_ELEMENTWISE_ONLY = {"sharded": None, "head_sign": False, "selects": None, "bias_add": False}
 
-_UNARY = ["tanh", "exp", "log", "neg", "abs", "sigmoid", "sqrt", "rsqrt", "square", "log1p", "expm1",
-          "clamp_min", "clamp_max", "exp2", "relu", "clamp", "clip", "nan_to_num", "logical_not", "isnan",
-          "isfinite", "isinf", "sign",
-          "reciprocal", "detach", "softplus", "logsigmoid", "float", "double", "half", "bfloat16", "to",
-          "type"]  # fmt: skip
-_BINARY = ["add", "sub", "mul", "div", "true_divide", "pow", "eq", "ne", "lt", "le", "gt", "ge", "maximum",
-           "minimum", "logical_and", "logical_or", "where", "masked_fill", "xlogy", "rsub",
-           "lerp"]  # fmt: skip
-_CASTS = ("float", "double", "half", "bfloat16", "to", "type")  # methods only
-_OPERATORS = ("add", "sub", "mul", "truediv", "pow", "eq", "ne", "lt", "le", "gt", "ge", "neg", "abs", "and_",
-              "or_")  # fmt: skip
-_DUNDERS = ("add", "sub", "mul", "truediv", "pow", "neg", "radd", "rsub", "rmul", "rtruediv", "eq", "ne",
-            "lt", "le", "gt", "ge")  # fmt: skip
-_ELEMENTWISE = (
-    *_UNARY, *_BINARY,
-    *(getattr(module, name) for name in _UNARY + _BINARY if name not in _CASTS
-      for module in (torch, torch.special, F) if hasattr(module, name)),
-    *(getattr(operator, name) for name in _OPERATORS), *(f"__{name}__" for name in _DUNDERS),
+
+@register_ops(
+    "log", "sigmoid", "rsqrt", "log1p", "expm1", "clamp_min", "clamp_max", "exp2", "nan_to_num",
+    "logical_not", "isnan", "isfinite", "isinf", "reciprocal", "softplus", "logsigmoid", "eq", "ne", "lt",
+    "le", "gt", "ge", "maximum", "minimum", "logical_and", "logical_or", "xlogy", "lerp", "rdiv", "and_",
+    "or_", kind=_ELEMENTWISE, zeros=None, linear=Linear.NONE, inplace=False, aliases=False, dtype_cast=False,
+    folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
 )  # fmt: skip
-#: an in-place op -> the out-of-place op it is replayed as
-_OUT_OF_PLACE = {
-    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
-    operator.itruediv: operator.truediv,
-    **{f"{name}_": name for name in ("add", "sub", "mul", "div", "clamp", "tanh", "exp", "neg", "masked_fill",
-                                     "pow", "clip")},
-}  # fmt: skip
-
-
-@register_rule(RuleKind.ELEMENTWISE, *_ELEMENTWISE)
+@register_ops(
+    "exp", "clamp", "clip", kind=_ELEMENTWISE, zeros=None, linear=Linear.NONE, inplace=True, aliases=False,
+    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "abs", "sqrt", "square", "relu", "sign", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.NONE,
+    inplace=False, aliases=False, dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True,
+    **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "tanh", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.NONE, inplace=True, aliases=False,
+    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "neg", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.FIRST, inplace=True, aliases=False,
+    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "detach", "half", "bfloat16", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.NONE, inplace=False,
+    aliases=True, dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "float", "double", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.FIRST, inplace=False,
+    aliases=True, dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "to", "type", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.CAST, inplace=False, aliases=True,
+    dtype_cast=True, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "add", kind=_ELEMENTWISE, zeros=_sum, linear=Linear.TERMS, inplace=True, aliases=False, dtype_cast=False,
+    folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, sharded=None, head_sign=False, selects=None,
+    bias_add=True
+)  # fmt: skip
+@register_ops(
+    "sub", kind=_ELEMENTWISE, zeros=_sum, linear=Linear.TERMS, inplace=True, aliases=False, dtype_cast=False,
+    folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "rsub", kind=_ELEMENTWISE, zeros=_sum, linear=Linear.TERMS, inplace=False, aliases=False,
+    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "mul", kind=_ELEMENTWISE, zeros=_product, linear=Linear.FACTOR, inplace=True, aliases=False,
+    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "div", kind=_ELEMENTWISE, zeros=_divide, linear=Linear.DIVIDEND, inplace=True, aliases=False,
+    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "pow", kind=_ELEMENTWISE, zeros=_power, linear=Linear.NONE, inplace=True, aliases=False,
+    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "where", kind=_ELEMENTWISE, zeros=_where, linear=Linear.NONE, inplace=False, aliases=False,
+    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "masked_fill", kind=_ELEMENTWISE, zeros=_masked_fill, linear=Linear.NONE, inplace=True, aliases=False,
+    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
 def _elementwise(matcher, node: torch.fx.Node, target=None) -> list[Classified]:
     out = val(node)
     if not isinstance(out, torch.Tensor):
@@ -237,7 +331,7 @@ def _elementwise(matcher, node: torch.fx.Node, target=None) -> list[Classified]:
         raise NoMatch("{} changes the shape of the logits' rows", node)
     if out.device.type != matcher.device_type:
         raise NoMatch("{} moves the logits to another device", node)
-    if target_name(node.target) in ("to", "type") and any(
+    if FACTS[spelling(node.target).key].dtype_cast and any(
         isinstance(a, (torch.fx.Node, torch.device, str)) for a in node.args[1:]
     ):
         raise NoMatch("{} casts with a device or a tensor; only a dtype cast is replayed", node)
@@ -246,8 +340,8 @@ def _elementwise(matcher, node: torch.fx.Node, target=None) -> list[Classified]:
     return [Classified(matcher.step(node, target or node.target, args, kwargs, node.op), shape)]
 
 
-@register_rule(RuleKind.INPLACE, *_OUT_OF_PLACE)
 def _inplace(matcher, node: torch.fx.Node) -> list[Classified]:
+    """An in-place spelling of an op whose facts say ``inplace=True``, replayed out of place."""
     mutated = node.args[0]
     if not isinstance(mutated, torch.fx.Node) or matcher.shape_of(mutated) is None:
         raise NoMatch("{} writes into a tensor from outside the region", node)
@@ -255,16 +349,19 @@ def _inplace(matcher, node: torch.fx.Node) -> list[Classified]:
     if late is not None:
         raise NoMatch("{} changes the logits in place while {}, after it, reads them through another name",
                       node, late)  # fmt: skip
-    return _elementwise(matcher, node, _OUT_OF_PLACE[node.target])
+    return _elementwise(matcher, node, spelling(node.target).out_of_place)
 
 
-#: ops whose result may share memory with their first operand, so a later in-place write shows through
-_ALIASING = frozenset({
-    "view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "float", "double", "half", "bfloat16",
-    "to", "type", "detach", "expand", "view_as", "reshape_as", "t", "transpose", "permute", "narrow",
-    "select", "split", "chunk", "unbind", "getitem", "__getitem__", "as_strided", "movedim", "swapaxes",
-    "unflatten",
-})  # fmt: skip
+_INPLACE = Rule(RuleKind.INPLACE, _inplace)
+
+
+def _aliases(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s result may share memory with its first operand (its op's facts)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    spelled = spelling(node.target)
+    facts = None if spelled is None or spelled.inplace else FACTS.get(spelled.key)
+    return facts is not None and facts.aliases
 
 
 def _read_after(node: torch.fx.Node, mutated: torch.fx.Node) -> torch.fx.Node | None:
@@ -273,7 +370,7 @@ def _read_after(node: torch.fx.Node, mutated: torch.fx.Node) -> torch.fx.Node | 
     readers before the write see the old value, those after it read ``node``'s result, and
     replaying the write out of place is exact (what functionalization does)."""
     root = mutated
-    while root.op in ("call_function", "call_method") and target_name(root.target) in _ALIASING and root.args:
+    while _aliases(root) and root.args:
         if not isinstance(root.args[0], torch.fx.Node):
             break
         root = root.args[0]
@@ -281,19 +378,53 @@ def _read_after(node: torch.fx.Node, mutated: torch.fx.Node) -> torch.fx.Node | 
     aliases, stack = {root}, [root]
     while stack:  # every name for the same memory: the root and its views, however taken
         for user in stack.pop().users:
-            if user not in aliases and user is not node and target_name(user.target) in _ALIASING:
+            if user not in aliases and user is not node and _aliases(user):
                 aliases.add(user)
                 stack.append(user)
     late = [u for a in aliases for u in (a, *a.users) if u is not node and order[u] > order[node]]
     return min(late, key=order.__getitem__) if late else None
 
 
-@register_rule(RuleKind.VIEW, "view", "reshape", "flatten", "contiguous", "squeeze", "unsqueeze",
-               torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze)  # fmt: skip
+#: ops that select or regroup a tensor's memory without a row-wise rule: other passes see through them
+_VIEW_ONLY = {"zeros": None, "linear": Linear.NONE, "sharded": None, "folds": Fold.NEVER,
+              "head_sign": False, "shown": AS_KEY, "shows_numbers": True, "inplace": False, "bias_add": False,
+              "dtype_cast": False}  # fmt: skip
+declare_ops(
+    "expand", "view_as", "reshape_as", "t", "transpose", "permute", "select", "unbind", "as_strided",
+    "movedim", "swapaxes", "unflatten", aliases=True, selects=None, **_VIEW_ONLY
+)  # fmt: skip
+declare_ops(
+    "split", "chunk", aliases=True, selects=Selects.PIECES, **_VIEW_ONLY
+)  # fmt: skip
+declare_ops(
+    "tensor_split", aliases=False, selects=Selects.PIECES, **_VIEW_ONLY
+)  # fmt: skip
+declare_ops(
+    "narrow", aliases=True, selects=Selects.ONE_PIECE, **_VIEW_ONLY
+)  # fmt: skip
+
+
+@register_ops(
+    "contiguous", kind=RuleKind.VIEW, zeros=_keeps_zeros, linear=Linear.FIRST, folds=Fold.NEVER,
+    shown=AS_KEY, shows_numbers=False, aliases=True, inplace=False, dtype_cast=False, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+def _contiguous(matcher, node: torch.fx.Node) -> list[Classified]:
+    source, shape = _rows_operand(matcher, node)
+    return [Classified(matcher.step(node, "contiguous", (source,), op="call_method"), shape)]
+
+
+@register_ops(
+    "squeeze", "unsqueeze", kind=RuleKind.VIEW, zeros=_keeps_zeros, linear=Linear.FIRST,
+    folds=Fold.NEGATIVE_DIMS, shown=AS_KEY, shows_numbers=False, aliases=True, inplace=False,
+    dtype_cast=False, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "view", "reshape", "flatten", kind=RuleKind.VIEW, zeros=_keeps_zeros, linear=Linear.FIRST,
+    folds=Fold.NEVER, shown=AS_KEY, shows_numbers=False, aliases=True, inplace=False, dtype_cast=False,
+    **_ELEMENTWISE_ONLY
+)  # fmt: skip
 def _view(matcher, node: torch.fx.Node) -> list[Classified]:
     source, shape = _rows_operand(matcher, node)
-    if target_name(node.target) == "contiguous":
-        return [Classified(matcher.step(node, "contiguous", (source,), op="call_method"), shape)]
     sizes = tuple(val(node).shape)
     count = math.prod(shape.tokens)
     if shape.layout is Layout.ROWS:
@@ -311,11 +442,33 @@ def _view(matcher, node: torch.fx.Node) -> list[Classified]:
     return [Classified(matcher.step(node, "reshape", args, op="call_method"), new)]
 
 
-@register_rule(RuleKind.VOCAB_REDUCTION, *_REDUCTION_SIGNATURES,
-               *(getattr(torch, name) for name in _REDUCTION_SIGNATURES))  # fmt: skip
+_REDUCES_ROWS = {"inplace": False, "aliases": False, "selects": None, "bias_add": False, "dtype_cast": False,
+               "shown": AS_KEY, "shows_numbers": False}  # fmt: skip
+
+
+@register_ops(
+    "sum", kind=RuleKind.VOCAB_REDUCTION, zeros=_keeps_zeros, linear=Linear.FIRST, sharded="shard_sum",
+    folds=Fold.NEGATIVE_DIMS, head_sign=False, **_REDUCES_ROWS
+)  # fmt: skip
+@register_ops(
+    "mean", kind=RuleKind.VOCAB_REDUCTION, zeros=None, linear=Linear.FIRST, sharded="shard_mean",
+    folds=Fold.NEGATIVE_DIMS, head_sign=False, **_REDUCES_ROWS
+)  # fmt: skip
+@register_ops(
+    "logsumexp", kind=RuleKind.VOCAB_REDUCTION, zeros=None, linear=Linear.NONE, sharded="shard_logsumexp",
+    folds=Fold.NEGATIVE_DIMS, head_sign=True, **_REDUCES_ROWS
+)  # fmt: skip
+@register_ops(
+    "amax", "amin", kind=RuleKind.VOCAB_REDUCTION, zeros=None, linear=Linear.NONE, sharded=None,
+    folds=Fold.NEGATIVE_DIMS, head_sign=False, **_REDUCES_ROWS
+)  # fmt: skip
+@register_ops(
+    "argmax", "argmin", "max", "min", kind=RuleKind.VOCAB_REDUCTION, zeros=None, linear=Linear.NONE,
+    sharded=None, folds=Fold.NEVER, head_sign=False, **_REDUCES_ROWS
+)  # fmt: skip
 def _vocab_reduction(matcher, node: torch.fx.Node) -> list[Classified]:
     source, shape = _rows_operand(matcher, node)
-    name = target_name(node.target)
+    name = spelling(node.target).key
     options = bind(_REDUCTION_SIGNATURES[name], node)
     dim = options["dim"]
     if shape.layout is not Layout.ROWS:
@@ -338,19 +491,28 @@ def _vocab_reduction(matcher, node: torch.fx.Node) -> list[Classified]:
     return [Classified(matcher.step(node, name, (source, -1, keepdim), kwargs, op="call_method"), result)]
 
 
-@register_rule(RuleKind.NORMALIZE, "softmax", "log_softmax", F.softmax, F.log_softmax, torch.softmax,
-               torch.log_softmax)  # fmt: skip
+@register_ops(
+    "softmax", kind=RuleKind.NORMALIZE, zeros=None, linear=Linear.NONE, sharded="shard_softmax",
+    folds=Fold.NEGATIVE_DIMS, head_sign=False, **_REDUCES_ROWS
+)  # fmt: skip
+@register_ops(
+    "log_softmax", kind=RuleKind.NORMALIZE, zeros=None, linear=Linear.NONE, sharded="shard_log_softmax",
+    folds=Fold.NEGATIVE_DIMS, head_sign=True, **_REDUCES_ROWS
+)  # fmt: skip
 def _normalize(matcher, node: torch.fx.Node) -> list[Classified]:
     source, shape = _rows_operand(matcher, node)
     options = bind(_NORMALIZE_SIGNATURE, node)
     if shape.layout is not Layout.ROWS or not is_vocab_dim(options["dim"], val(node).dim()):
         raise NoMatch("{} is not taken over the vocabulary dimension", node)
     kwargs = (("dtype", options["dtype"]),) if options["dtype"] is not None else ()
-    target = F.log_softmax if "log" in target_name(node.target) else F.softmax
+    target = getattr(F, spelling(node.target).key)  # F.softmax, F.log_softmax
     return [Classified(matcher.step(node, target, (source, -1), kwargs), shape)]
 
 
-@register_rule(RuleKind.GATHER, "gather", torch.gather)
+@register_ops(
+    "gather", kind=RuleKind.GATHER, zeros=_keeps_zeros, linear=Linear.NONE, sharded="shard_gather",
+    folds=Fold.NEGATIVE_DIMS, head_sign=True, **_REDUCES_ROWS
+)  # fmt: skip
 def _gather(matcher, node: torch.fx.Node) -> list[Classified]:
     source, shape = _rows_operand(matcher, node)
     options = bind(_GATHER_SIGNATURE, node)
@@ -369,7 +531,11 @@ def _gather(matcher, node: torch.fx.Node) -> list[Classified]:
     return [Classified(matcher.step(node, torch.gather, (source, -1, index)), result)]
 
 
-@register_rule(RuleKind.GETITEM, operator.getitem)
+@register_ops(
+    "getitem", kind=RuleKind.GETITEM, zeros=None, linear=Linear.FIRST, sharded=None, folds=Fold.NEVER,
+    head_sign=False, shown=AS_KEY, shows_numbers=True, aliases=True, inplace=False, selects=Selects.INDEX,
+    bias_add=False, dtype_cast=False
+)  # fmt: skip
 def _getitem(matcher, node: torch.fx.Node) -> list[Classified]:
     shape = matcher.shape_of(node.args[0])
     if shape is None:
@@ -382,8 +548,21 @@ def _getitem(matcher, node: torch.fx.Node) -> list[Classified]:
     return [Classified(step, Shape(shape.item, shape.tokens))]
 
 
-@register_rule(RuleKind.LOSS, F.cross_entropy, F.nll_loss, F.kl_div)
+@register_ops(
+    "cross_entropy", kind=RuleKind.LOSS, zeros=_ignored_label, linear=Linear.NONE,
+    sharded="shard_cross_entropy", folds=Fold.NEVER, head_sign=True, **_REDUCES_ROWS
+)  # fmt: skip
+@register_ops(
+    "nll_loss", kind=RuleKind.LOSS, zeros=_ignored_label, linear=Linear.NONE, sharded="shard_nll_loss",
+    folds=Fold.NEVER, head_sign=True, **_REDUCES_ROWS
+)  # fmt: skip
+@register_ops(
+    "kl_div", kind=RuleKind.LOSS, zeros=None, linear=Linear.NONE, sharded=None, folds=Fold.NEVER,
+    head_sign=True, **_REDUCES_ROWS
+)  # fmt: skip
 def _loss(matcher, node: torch.fx.Node) -> list[Classified]:
+    if node.target not in LOSS_SIGNATURES:  # torch.kl_div: another signature than F.kl_div's
+        raise NoMatch("{} is not torch.nn.functional's loss", node)
     options = loss_options(node)
     source, shape = _rows_operand(matcher, node, options["input"])
     reduction = options["reduction"]
