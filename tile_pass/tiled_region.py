@@ -224,6 +224,103 @@ class _Need(NamedTuple):
 NO_GRADIENT = _Need(False, False, False, (), ())
 
 
+def _kernel_key(program, call, tile_plan, hidden, weight, bias, token_inputs, row_inputs, tangents, need):
+    """The traced tile function this loop runs (its full-size tiles)."""
+    return TileKernelKey(
+        program=program.key,
+        tile=tile_plan.tile,
+        hidden_size=hidden.shape[1],
+        vocab_size=program.vocab_size,
+        hidden_dtype=hidden.dtype,
+        weight_dtype=weight.dtype,
+        bias_dtype=None if bias is None else bias.dtype,
+        token_inputs=tuple((tuple(t.shape[1:]), t.dtype) for t in token_inputs),
+        row_inputs=tuple((tuple(r.shape), r.dtype) for r in row_inputs),
+        tangents=tuple(sorted(tangents)) if need.any() else (),
+        device=hidden.device,
+        need_hidden=need.hidden,
+        need_weight=need.weight,
+        need_bias=need.bias,
+        acc_dtype=torch.promote_types(torch.float32, hidden.dtype),  # float64 in, float64 sums: exact checks
+        compiled=call.compile_tiles,
+        onednn=onednn_gemms_apply(hidden.device),
+        weight_grad=tile_plan.schedule,
+        need_rows=need.rows if any(need.rows) else (),
+        need_tokens=need.tokens if any(need.tokens) else (),
+    )
+
+
+@dataclasses.dataclass
+class _Results:
+    """What a loop writes, tile by tile: the outputs and per-token gradients at the tiles' rows,
+    and the sums across tiles (the weight's under its schedule, the bias's, the row inputs')."""
+
+    outputs: list[torch.Tensor] | None
+    grad_hidden: torch.Tensor | None
+    weight_grad_sum: tuple[torch.Tensor, ...]  # FLOAT32: the sum; SPLIT: its two 16-bit planes
+    grad_weight: torch.Tensor | None  # DIRECT: the one tile's own
+    bias_sum: torch.Tensor | None
+    row_sums: tuple[torch.Tensor, ...]
+    token_grads: list[torch.Tensor | None]
+
+    @staticmethod
+    def allocate(
+        program, key, hidden, weight, token_inputs, row_inputs, need, num_tokens, keep_outputs, rows
+    ):
+        make = _tile_buffers.empty if rows is None else _tile_buffers.zeros  # skipped rows stay zero
+        device, acc = hidden.device, key.acc_dtype
+        outputs = [
+            make((hidden.shape[0], *_region.row_part(out.layout, program.vocab_size)), out.dtype, device)
+            for out in program.outputs
+        ] if keep_outputs else None  # fmt: skip
+        whole = rows is None and num_tokens == key.tile  # one unpadded tile: its hidden gradient is final
+        grad_hidden = make(hidden.shape, hidden.dtype, device) if need.hidden and not whole else None
+        weight_grad_sum, grad_weight = (), None
+        schedule = key.weight_grad if need.weight else None
+        if schedule is WeightGradSchedule.SPLIT:  # the float32 sum in two 16-bit planes: 4 bytes per weight
+            weight_grad_sum = _weight_grad.unwritten_planes(weight.shape, weight.device)
+        elif schedule is WeightGradSchedule.DIRECT:  # the only tile forms it (none when no token runs)
+            if not num_tokens:
+                grad_weight = _tile_buffers.zeros(weight.shape, weight.dtype, weight.device)
+        elif need.weight:
+            weight_grad_sum = (_tile_buffers.zeros(weight.shape, acc, weight.device),)
+        return _Results(
+            outputs=outputs,
+            grad_hidden=grad_hidden,
+            weight_grad_sum=weight_grad_sum,
+            grad_weight=grad_weight,
+            bias_sum=weight.new_zeros((program.vocab_size,), dtype=acc) if need.bias else None,
+            row_sums=tuple(
+                r.new_zeros(r.shape, dtype=acc) for r, n in zip(row_inputs, need.rows, strict=True) if n
+            ),
+            token_grads=[
+                _tile_buffers.zeros(t.shape, t.dtype, t.device) if n else None
+                for t, n in zip(token_inputs, need.tokens, strict=True)
+            ],
+        )
+
+    def store(self, result: list, start: int, count: int, picked, num_outputs: int, need: _Need, whole: bool):
+        """One tile's results at its rows (``picked``: the rows a gathered tile ran)."""
+
+        def put(into, value):
+            if picked is None:
+                into[start : start + count] = value[:count]
+            else:
+                into.index_copy_(0, picked, value[:count])
+
+        if self.outputs is not None:
+            for out, value in zip(self.outputs, result, strict=False):
+                put(out, value)
+        if need.hidden:
+            if whole:
+                self.grad_hidden = result[num_outputs]
+            else:
+                put(self.grad_hidden, result[num_outputs])
+        token_results = iter(result[num_outputs + need.hidden :])
+        for grad_sum in (g for g in self.token_grads if g is not None):
+            put(grad_sum, next(token_results))
+
+
 @_tile_buffers.shared()
 def _run_tiles(
     program: RowProgram,
@@ -242,92 +339,41 @@ def _run_tiles(
     token input grads): each output flat over the tokens, the gradients of
     ``sum(tangent * output)`` (or ``None``). With ``rows`` (see :func:`_skipped_rows`) only those
     tokens run, each tile gathering its rows; the others' outputs and per-token gradients are zero."""
-    need_hidden, need_weight, need_bias = need.hidden, need.weight, need.bias
-    need_rows = need.rows or (False,) * len(row_inputs)
-    need_tokens = need.tokens or (False,) * len(token_inputs)
+    need = need._replace(
+        rows=need.rows or (False,) * len(row_inputs), tokens=need.tokens or (False,) * len(token_inputs)
+    )
     # the traced tiles assume contiguous slices; a derived token weight can be a broadcast scalar
     tangents = {i: t.contiguous() for i, t in tangents.items()}
     token_inputs = [t.contiguous() for t in token_inputs]
-    batch, hidden_size = hidden.shape
-    num_tokens = batch if rows is None else rows.numel()
-    vocab_size = program.vocab_size
-    acc = torch.promote_types(torch.float32, hidden.dtype)  # float64 in, float64 sums: exact oracle checks
+    num_tokens = hidden.shape[0] if rows is None else rows.numel()
     tile_plan = plan_tiles(
-        num_tokens,
-        batch,
-        call.tile,
-        weight.shape,
-        weight.dtype,
-        weight.device,
-        call.compile_tiles,
-        need_weight,
-    )
+        num_tokens, hidden.shape[0], call.tile, weight.shape, weight.dtype, weight.device, call.compile_tiles,
+        need.weight,
+    )  # fmt: skip
     _plan.ran(tile_plan)
-    tile, schedule = tile_plan.tile, tile_plan.schedule
-    key = TileKernelKey(
-        program=program.key,
-        tile=tile,
-        hidden_size=hidden_size,
-        vocab_size=vocab_size,
-        hidden_dtype=hidden.dtype,
-        weight_dtype=weight.dtype,
-        bias_dtype=None if bias is None else bias.dtype,
-        token_inputs=tuple((tuple(t.shape[1:]), t.dtype) for t in token_inputs),
-        row_inputs=tuple((tuple(r.shape), r.dtype) for r in row_inputs),
-        tangents=tuple(sorted(tangents)) if need.any() else (),
-        device=hidden.device,
-        need_hidden=need_hidden,
-        need_weight=need_weight,
-        need_bias=need_bias,
-        acc_dtype=acc,
-        compiled=call.compile_tiles,
-        onednn=onednn_gemms_apply(hidden.device),
-        weight_grad=schedule,
-        need_rows=need_rows if any(need_rows) else (),
-        need_tokens=need_tokens if any(need_tokens) else (),
+    key = _kernel_key(
+        program, call, tile_plan, hidden, weight, bias, token_inputs, row_inputs, tangents, need
     )
-    split = schedule is WeightGradSchedule.SPLIT
-    direct = need_weight and schedule is WeightGradSchedule.DIRECT
-    make = _tile_buffers.empty if rows is None else _tile_buffers.zeros
-    outputs = [
-        make((batch, *_region.row_part(out.layout, vocab_size)), out.dtype, hidden.device)
-        for out in program.outputs
-    ] if keep_outputs else None  # fmt: skip
-    whole = rows is None and num_tokens == tile  # one tile, no padding: its hidden gradient is the result
-    grad_hidden = make(hidden.shape, hidden.dtype, hidden.device) if need_hidden and not whole else None
-    weight_grad_sum, grad_weight = (), None
-    if split:  # the float32 sum as two 16-bit planes: 4 bytes per weight with the gradient
-        weight_grad_sum = _weight_grad.unwritten_planes(weight.shape, weight.device)
-    elif direct:  # the only tile forms it (none when no token runs)
-        grad_weight = (
-            _tile_buffers.zeros(weight.shape, weight.dtype, weight.device) if not num_tokens else None
-        )
-    elif need_weight:
-        weight_grad_sum = (_tile_buffers.zeros(weight.shape, acc, weight.device),)
-    bias_acc = weight.new_zeros((vocab_size,), dtype=acc) if need_bias else None
-    row_sums = tuple(r.new_zeros(r.shape, dtype=acc) for r, n in zip(row_inputs, need_rows, strict=True) if n)
-    token_grads = [
-        _tile_buffers.zeros(t.shape, t.dtype, t.device) if n else None
-        for t, n in zip(token_inputs, need_tokens, strict=True)
-    ]
+    tile = key.tile
+    out = _Results.allocate(program, key, hidden, weight, token_inputs, row_inputs, need, num_tokens,
+                            keep_outputs, rows)  # fmt: skip
+    split = need.weight and key.weight_grad is WeightGradSchedule.SPLIT
+    direct = need.weight and key.weight_grad is WeightGradSchedule.DIRECT
+    whole = rows is None and num_tokens == tile
     row_inputs, tangent_list = tuple(row_inputs), [tangents[i] for i in key.tangents]
-    num_outputs = len(program.outputs)
     kernel = _program_kernel(key)
     for start in range(0, num_tokens, tile):
-        stop = min(start + tile, num_tokens)
-        count = stop - start
-        if count != tile:  # the last, short tile: padded to a size of its own
-            size = effective_tile(count, TileSize(tile))
-            kernel = _program_kernel(dataclasses.replace(key, tile=size)) if size != tile else kernel
-        else:
-            size = tile
+        count = min(tile, num_tokens - start)
+        size = tile if count == tile else effective_tile(count, TileSize(tile))  # a short last tile: padded
+        if size != key.tile:
+            kernel = _program_kernel(dataclasses.replace(key, tile=size))
         if rows is None:
             picked = None
-            hidden_tile = _tile_of(hidden, start, stop, size)
-            token_tiles = tuple(_tile_of(t, start, stop, size) for t in token_inputs)
-            tangent_tiles = tuple(_tile_of(t, start, stop, size, zeros=True) for t in tangent_list)
+            hidden_tile = _tile_of(hidden, start, start + count, size)
+            token_tiles = tuple(_tile_of(t, start, start + count, size) for t in token_inputs)
+            tangent_tiles = tuple(_tile_of(t, start, start + count, size, zeros=True) for t in tangent_list)
         else:  # the rows that run, padded by a repeat of a real one: one gather per input
-            picked = rows[start:stop]
+            picked = rows[start : start + count]
             gather = _tile_of(picked, 0, count, size)
             hidden_tile = hidden.index_select(0, gather)
             token_tiles = tuple(t.index_select(0, gather) for t in token_inputs)
@@ -341,49 +387,33 @@ def _run_tiles(
             token_inputs=token_tiles,
             row_inputs=row_inputs,
             tangents=tangent_tiles,
-            weight_grad_sum=weight_grad_sum,
-            bias_grad_sum=bias_acc,
-            row_grad_sums=row_sums,
+            weight_grad_sum=out.weight_grad_sum,
+            bias_grad_sum=out.bias_sum,
+            row_grad_sums=out.row_sums,
         )
-        last = split and stop == num_tokens  # the last add of a split sum rounds it
-        with _weight_grad.last_add(weight_grad_sum[0]) if last else contextlib.nullcontext():
+        last = split and start + count == num_tokens  # the last add of a split sum rounds it
+        with _weight_grad.last_add(out.weight_grad_sum[0]) if last else contextlib.nullcontext():
             result = list(kernel(*inputs.flat()))
         if direct:
-            grad_weight = result.pop()
-        if outputs is not None:
-            for out, value in zip(outputs, result, strict=False):
-                if picked is None:
-                    out[start:stop] = value[:count]
-                else:
-                    out.index_copy_(0, picked, value[:count])
-        if need_hidden:
-            grad = result[num_outputs]
-            if whole:
-                grad_hidden = grad
-            elif picked is None:
-                grad_hidden[start:stop] = grad[:count]
-            else:
-                grad_hidden.index_copy_(0, picked, grad[:count])
-        token_results = iter(result[num_outputs + need_hidden :])
-        for grad_sum in (g for g in token_grads if g is not None):
-            grad = next(token_results)
-            if picked is None:
-                grad_sum[start:stop] = grad[:count]
-            else:
-                grad_sum.index_copy_(0, picked, grad[:count])
+            out.grad_weight = result.pop()
+        out.store(result, start, count, picked, len(program.outputs), need, whole)
         del inputs, result, hidden_tile, token_tiles, tangent_tiles  # before the next tile's are made
+    grad_weight = out.grad_weight
     if split:  # rounded once into the weight dtype, over the high plane
-        grad_weight = finish_split(*_weight_grad.settle(*weight_grad_sum), weight.dtype, call.compile_tiles)
-    elif need_weight and not direct:
-        grad_weight = weight_grad_sum[0]
-    if need_hidden and grad_hidden is None:  # no token ran
+        grad_weight = finish_split(
+            *_weight_grad.settle(*out.weight_grad_sum), weight.dtype, call.compile_tiles
+        )
+    elif need.weight and not direct:
+        grad_weight = out.weight_grad_sum[0]
+    grad_hidden = out.grad_hidden
+    if need.hidden and grad_hidden is None:  # no token ran
         grad_hidden = _tile_buffers.zeros(hidden.shape, hidden.dtype, hidden.device)
-    if need_hidden and program.shard is not None:  # each rank holds its shard's share
+    if need.hidden and program.shard is not None:  # each rank holds its shard's share
         group = torch.distributed.distributed_c10d._resolve_process_group(program.shard[0])
         torch.distributed.all_reduce(grad_hidden, group=group)
-    row_results = iter(row_sums)
-    row_grads = [next(row_results) if n else None for n in need_rows]
-    return outputs, grad_hidden, grad_weight, bias_acc, row_grads, token_grads
+    row_results = iter(out.row_sums)
+    row_grads = [next(row_results) if n else None for n in need.rows]
+    return out.outputs, grad_hidden, grad_weight, out.bias_sum, row_grads, out.token_grads
 
 
 def _tile_of(t: torch.Tensor, start: int, stop: int, size: int, zeros: bool = False) -> torch.Tensor:
