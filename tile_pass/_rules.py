@@ -229,6 +229,15 @@ def _masked_fill(step, of, token):
     return None
 
 
+def _first_factor(step, of, token):
+    """``xlog1py(x, y) = x * log1p(y)`` is zero where ``x`` is; for a per-token ``x`` where it is
+    0, but not for NaN logits (``xlog1py(0, nan)`` is NaN)."""
+    if len(step.args) != 2:
+        return None
+    x = step.args[0]
+    return ZeroIf(x.index, ZeroKind.ZERO, exact=False) if token(x) else of(x)
+
+
 def _keeps_zeros(step, of, token):
     """``f(0) == 0``: zero where the (first) operand is."""
     return of(step.args[0]) if step.args else None
@@ -309,6 +318,10 @@ _ELEMENTWISE_ONLY = {"sharded": None, "head_sign": False, "selects": None, "bias
 )  # fmt: skip
 @register_ops(
     "masked_fill", kind=_ELEMENTWISE, zeros=_masked_fill, linear=Linear.NONE, inplace=True, aliases=False,
+    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+)  # fmt: skip
+@register_ops(
+    "xlog1py", kind=_ELEMENTWISE, zeros=_first_factor, linear=Linear.FIRST, inplace=False, aliases=False,
     dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
 )  # fmt: skip
 def _elementwise(matcher, node: torch.fx.Node, target=None) -> list[Classified]:
