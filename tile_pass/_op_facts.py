@@ -47,6 +47,11 @@ class RuleKind(enum.Enum):
 
     ELEMENTWISE, INPLACE, VIEW, VOCAB_REDUCTION, NORMALIZE, GATHER, GETITEM, LOSS = range(8)
 
+    @property
+    def over_vocab(self) -> bool:
+        """Its steps work across the vocabulary: a sharded head needs their group-wide form."""
+        return self in (RuleKind.VOCAB_REDUCTION, RuleKind.NORMALIZE, RuleKind.GATHER, RuleKind.LOSS)
+
 
 class Linear(enum.Enum):
     """In which operands an op is linear, for the scalar loss joined to the region (phase 4 of

@@ -200,10 +200,6 @@ def _no_op_redistribute(node: torch.fx.Node) -> bool:
     return placements[0] is not None and placements[0] == placements[1] and meshes[0] == meshes[1]
 
 
-#: the rules whose steps work over the vocabulary: a sharded region replaces them by their group-wide form
-_OVER_VOCAB = (RuleKind.VOCAB_REDUCTION, RuleKind.NORMALIZE, RuleKind.GATHER, RuleKind.LOSS)
-
-
 def _shard_program_steps(matcher) -> list[Step]:
     """The region's steps on this rank's ``[tile, V_r]`` logits: each step over the vocabulary
     in its group-wide form (``tile_pass._distributed.shard_step``), reshapes of rows to the
@@ -228,7 +224,7 @@ def _shard_program_steps(matcher) -> list[Step]:
             isinstance(source, Ref) and source.kind is RefKind.VALUE
             and (source.index == 0 or layouts[source.index - 1] is Layout.ROWS)
         )  # fmt: skip
-        if reads_rows and kind in _OVER_VOCAB:
+        if reads_rows and kind.over_vocab:
             sharded = shard_step(step, group_name, start, int(matcher.vocab))
             if sharded is None:
                 raise NoMatch("{} ({}) has no tensor-parallel form yet", step.describe(), step.source)
