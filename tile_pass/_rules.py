@@ -246,9 +246,10 @@ def _keeps_zeros(step, of, token):
 # ------------------------------------------------------------------------------ rules
 # Each registration states every fact of its ops (see tile_pass._op_facts.OpFacts).
 _ELEMENTWISE = RuleKind.ELEMENTWISE
-#: the facts an elementwise op shares with every other, stated once: no sharded form (it needs
-#: none), it signs no head, selects no rows and is no bias
-_ELEMENTWISE_ONLY = {"sharded": None, "head_sign": False, "selects": None, "bias_add": False}
+#: the facts every elementwise op shares, stated once: no sharded form (it needs none), it signs
+#: no head and selects no rows, a per-row loop of it folds, the report shows it and its numbers
+_ELEMENTWISE_FACTS = {"sharded": None, "head_sign": False, "selects": None, "folds": Fold.ALWAYS,
+                      "shown": AS_KEY, "shows_numbers": True}  # fmt: skip
 
 
 @register_ops(
@@ -256,73 +257,71 @@ _ELEMENTWISE_ONLY = {"sharded": None, "head_sign": False, "selects": None, "bias
     "logical_not", "isnan", "isfinite", "isinf", "reciprocal", "softplus", "logsigmoid", "eq", "ne", "lt",
     "le", "gt", "ge", "maximum", "minimum", "logical_and", "logical_or", "xlogy", "lerp", "rdiv", "and_",
     "or_", kind=_ELEMENTWISE, zeros=None, linear=Linear.NONE, inplace=False, aliases=False, dtype_cast=False,
-    folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "exp", "clamp", "clip", kind=_ELEMENTWISE, zeros=None, linear=Linear.NONE, inplace=True, aliases=False,
-    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "abs", "sqrt", "square", "relu", "sign", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.NONE,
-    inplace=False, aliases=False, dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True,
-    **_ELEMENTWISE_ONLY
+    inplace=False, aliases=False, dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "tanh", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.NONE, inplace=True, aliases=False,
-    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "neg", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.FIRST, inplace=True, aliases=False,
-    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "detach", "half", "bfloat16", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.NONE, inplace=False,
-    aliases=True, dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    aliases=True, dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "float", "double", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.FIRST, inplace=False,
-    aliases=True, dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    aliases=True, dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "to", "type", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.CAST, inplace=False, aliases=True,
-    dtype_cast=True, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    dtype_cast=True, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "add", kind=_ELEMENTWISE, zeros=_sum, linear=Linear.TERMS, inplace=True, aliases=False, dtype_cast=False,
-    folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, sharded=None, head_sign=False, selects=None,
-    bias_add=True
+    bias_add=True, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "sub", kind=_ELEMENTWISE, zeros=_sum, linear=Linear.TERMS, inplace=True, aliases=False, dtype_cast=False,
-    folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "rsub", kind=_ELEMENTWISE, zeros=_sum, linear=Linear.TERMS, inplace=False, aliases=False,
-    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "mul", kind=_ELEMENTWISE, zeros=_product, linear=Linear.FACTOR, inplace=True, aliases=False,
-    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "div", kind=_ELEMENTWISE, zeros=_divide, linear=Linear.DIVIDEND, inplace=True, aliases=False,
-    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "pow", kind=_ELEMENTWISE, zeros=_power, linear=Linear.NONE, inplace=True, aliases=False,
-    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "where", kind=_ELEMENTWISE, zeros=_where, linear=Linear.NONE, inplace=False, aliases=False,
-    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "masked_fill", kind=_ELEMENTWISE, zeros=_masked_fill, linear=Linear.NONE, inplace=True, aliases=False,
-    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 @register_ops(
     "xlog1py", kind=_ELEMENTWISE, zeros=_first_factor, linear=Linear.FIRST, inplace=False, aliases=False,
-    dtype_cast=False, folds=Fold.ALWAYS, shown=AS_KEY, shows_numbers=True, **_ELEMENTWISE_ONLY
+    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
 )  # fmt: skip
 def _elementwise(matcher, node: torch.fx.Node, target=None) -> list[Classified]:
     out = val(node)
@@ -419,7 +418,8 @@ declare_ops(
 
 @register_ops(
     "contiguous", kind=RuleKind.VIEW, zeros=_keeps_zeros, linear=Linear.FIRST, folds=Fold.NEVER,
-    shown=AS_KEY, shows_numbers=False, aliases=True, inplace=False, dtype_cast=False, **_ELEMENTWISE_ONLY
+    shown=AS_KEY, shows_numbers=False, aliases=True, inplace=False, dtype_cast=False, sharded=None,
+    head_sign=False, selects=None, bias_add=False
 )  # fmt: skip
 def _contiguous(matcher, node: torch.fx.Node) -> list[Classified]:
     source, shape = _rows_operand(matcher, node)
@@ -429,12 +429,12 @@ def _contiguous(matcher, node: torch.fx.Node) -> list[Classified]:
 @register_ops(
     "squeeze", "unsqueeze", kind=RuleKind.VIEW, zeros=_keeps_zeros, linear=Linear.FIRST,
     folds=Fold.NEGATIVE_DIMS, shown=AS_KEY, shows_numbers=False, aliases=True, inplace=False,
-    dtype_cast=False, **_ELEMENTWISE_ONLY
+    dtype_cast=False, sharded=None, head_sign=False, selects=None, bias_add=False
 )  # fmt: skip
 @register_ops(
     "view", "reshape", "flatten", kind=RuleKind.VIEW, zeros=_keeps_zeros, linear=Linear.FIRST,
     folds=Fold.NEVER, shown=AS_KEY, shows_numbers=False, aliases=True, inplace=False, dtype_cast=False,
-    **_ELEMENTWISE_ONLY
+    sharded=None, head_sign=False, selects=None, bias_add=False
 )  # fmt: skip
 def _view(matcher, node: torch.fx.Node) -> list[Classified]:
     source, shape = _rows_operand(matcher, node)
