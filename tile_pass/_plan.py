@@ -119,8 +119,7 @@ class RegionCall:
         )
 
     @staticmethod
-    @functools.lru_cache(maxsize=1024)
-    def parse(key: str) -> RegionCall:
+    def parse(key: str) -> RegionCall:  # uncached: Dynamo traces it where the functional API is compiled
         program, tile, tiles = key.split("/")
         tokens = tile.removeprefix("tile=")
         return RegionCall(

@@ -135,10 +135,15 @@ def _trace_program_kernel(key: TileKernelKey) -> torch.fx.GraphModule:
 
 
 def _without_detach(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The traced tile with its ``detach`` calls dropped: the tile runs inside a custom op, below
-    autograd, where a detach is only a new alias of the same memory and one more dispatch per tile."""
+    """The traced tile with the ``detach`` calls of its intermediate values dropped: one dispatch
+    each per tile. Those of its inputs stay, so nothing in the tile records autograd history even
+    where it runs with grad mode on (its implementation traced by ``make_fx``)."""
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+        if (
+            node.op == "call_function"
+            and node.target is torch.ops.aten.detach.default
+            and node.args[0].op != "placeholder"
+        ):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
     gm.recompile()
@@ -320,6 +325,46 @@ class _Results:
         for grad_sum in (g for g in self.token_grads if g is not None):
             put(grad_sum, next(token_results))
 
+    def finish(self, program, call, hidden, weight, need: _Need):
+        """(outputs, grad hidden, grad weight, grad bias, row input grads, token input grads)."""
+        grad_weight = self.grad_weight
+        if need.weight and len(self.weight_grad_sum) == 2:  # rounded once into the weight dtype
+            planes = _weight_grad.settle(*self.weight_grad_sum)
+            grad_weight = finish_split(*planes, weight.dtype, call.compile_tiles)
+        elif self.weight_grad_sum:
+            grad_weight = self.weight_grad_sum[0]
+        grad_hidden = self.grad_hidden
+        if need.hidden and grad_hidden is None:  # no token ran
+            grad_hidden = _tile_buffers.zeros(hidden.shape, hidden.dtype, hidden.device)
+        if need.hidden and program.shard is not None:  # each rank holds its shard's share
+            group = torch.distributed.distributed_c10d._resolve_process_group(program.shard[0])
+            torch.distributed.all_reduce(grad_hidden, group=group)
+        row_sums = iter(self.row_sums)
+        row_grads = [next(row_sums) if n else None for n in need.rows]
+        return self.outputs, grad_hidden, grad_weight, self.bias_sum, row_grads, self.token_grads
+
+
+def _tile_rows(hidden, token_inputs, tangents, start: int, count: int, size: int, rows):
+    """One tile's per-token tensors, ``size`` rows: rows ``start:start+count`` of each, or with
+    ``rows`` those rows gathered (one gather per input); padded by a repeat of a real row, with
+    zero tangents. Returns them with the gathered rows (``None`` without ``rows``)."""
+    if rows is None:
+        stop = start + count
+        return (
+            None,
+            _tile_of(hidden, start, stop, size),
+            tuple(_tile_of(t, start, stop, size) for t in token_inputs),
+            tuple(_tile_of(t, start, stop, size, zeros=True) for t in tangents),
+        )
+    picked = rows[start : start + count]
+    gather = _tile_of(picked, 0, count, size)
+    return (
+        picked,
+        hidden.index_select(0, gather),
+        tuple(t.index_select(0, gather) for t in token_inputs),
+        tuple(_tile_of(t.index_select(0, picked), 0, count, size, zeros=True) for t in tangents),
+    )
+
 
 @_tile_buffers.shared()
 def _run_tiles(
@@ -367,19 +412,9 @@ def _run_tiles(
         size = tile if count == tile else effective_tile(count, TileSize(tile))  # a short last tile: padded
         if size != key.tile:
             kernel = _program_kernel(dataclasses.replace(key, tile=size))
-        if rows is None:
-            picked = None
-            hidden_tile = _tile_of(hidden, start, start + count, size)
-            token_tiles = tuple(_tile_of(t, start, start + count, size) for t in token_inputs)
-            tangent_tiles = tuple(_tile_of(t, start, start + count, size, zeros=True) for t in tangent_list)
-        else:  # the rows that run, padded by a repeat of a real one: one gather per input
-            picked = rows[start : start + count]
-            gather = _tile_of(picked, 0, count, size)
-            hidden_tile = hidden.index_select(0, gather)
-            token_tiles = tuple(t.index_select(0, gather) for t in token_inputs)
-            tangent_tiles = tuple(
-                _tile_of(t.index_select(0, picked), 0, count, size, True) for t in tangent_list
-            )
+        picked, hidden_tile, token_tiles, tangent_tiles = _tile_rows(
+            hidden, token_inputs, tangent_list, start, count, size, rows
+        )
         inputs = TileInputs(
             hidden=hidden_tile,
             weight=weight,
@@ -398,22 +433,7 @@ def _run_tiles(
             out.grad_weight = result.pop()
         out.store(result, start, count, picked, len(program.outputs), need, whole)
         del inputs, result, hidden_tile, token_tiles, tangent_tiles  # before the next tile's are made
-    grad_weight = out.grad_weight
-    if split:  # rounded once into the weight dtype, over the high plane
-        grad_weight = finish_split(
-            *_weight_grad.settle(*out.weight_grad_sum), weight.dtype, call.compile_tiles
-        )
-    elif need.weight and not direct:
-        grad_weight = out.weight_grad_sum[0]
-    grad_hidden = out.grad_hidden
-    if need.hidden and grad_hidden is None:  # no token ran
-        grad_hidden = _tile_buffers.zeros(hidden.shape, hidden.dtype, hidden.device)
-    if need.hidden and program.shard is not None:  # each rank holds its shard's share
-        group = torch.distributed.distributed_c10d._resolve_process_group(program.shard[0])
-        torch.distributed.all_reduce(grad_hidden, group=group)
-    row_results = iter(out.row_sums)
-    row_grads = [next(row_results) if n else None for n in need.rows]
-    return out.outputs, grad_hidden, grad_weight, out.bias_sum, row_grads, out.token_grads
+    return out.finish(program, call, hidden, weight, need)
 
 
 def _tile_of(t: torch.Tensor, start: int, stop: int, size: int, zeros: bool = False) -> torch.Tensor:
