@@ -99,7 +99,7 @@ def test_frozen_weight_gets_no_gradient_work():
     assert len(calls) == 1
     schema = torch.ops.tile_pass.row_region_loss.default._schema
     args = {**dict(zip([a.name for a in schema.arguments], calls[0].args, strict=False)), **calls[0].kwargs}
-    assert (args["need_hidden"], args["need_weight"], args["need_bias"]) == (True, False, False)
+    assert args["need"][:3] == [True, False, False]  # hidden, weight, bias
 
 
 def _measure(cfg: BenchConfig) -> dict:

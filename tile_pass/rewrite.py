@@ -195,13 +195,7 @@ def _rewrite_row_regions(
             region = _region_match.match_row_region(gm.graph, node, states, options.drop_logits)
             if region is None:
                 continue
-            dtype = val(node).dtype
-            vocab = region.program.vocab_size
-            tile = choose_tile_tokens(
-                vocab, dtype, dtype != torch.float32, tile_tokens=options.tile_tokens,
-                tile_bytes=options.tile_bytes, device=val(node).device, fused=options.compile_tiles,
-            )  # fmt: skip
-            tile = TileSize(tile, automatic=options.tile_tokens is None)
+            tile = _tile_asked(region, val(node), options)
             current[:] = [region.projection, region.sink or region.outputs[0].node]
             covered = set(region.nodes) | set(region.reduction_nodes)
             loss_line = source_line(region.sink or region.outputs[0].node)
@@ -217,45 +211,60 @@ def _rewrite_row_regions(
             report.skipped.append(Skip(result.report.index, line, str(why)))
             continue
         losses[:] = [loss for loss in losses if loss not in covered]
-        num_tokens = region.num_tokens
-        weight, tokens = val(region.weight), optimization_hint(num_tokens, fallback=8192)  # unguarded hints
-        # the loop's head: this rank's vocabulary rows when sharded
-        shape = (optimization_hint(vocab, fallback=4096), optimization_hint(weight.shape[1], fallback=4096))
-        tile_plan = plan_tiles(tokens, tokens, tile, shape, dtype, weight.device, options.compile_tiles)
-        tile_now, schedule = tile_plan.tile, tile_plan.schedule
-        itemsize = dtype.itemsize
-        returned = [val(o.node) for o in region.outputs if o.shape.layout is Layout.ROWS]
-        returned += [val(node) for node in region.kept_whole]
-        kept = sum(value.numel() * value.element_size() for value in returned)
-        tile_buffer = tile_plan.tile_bytes  # the [tile, V] buffers, as planned
-        outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
-        shard = region.program.shard  # a vocabulary-sharded head: bytes are this rank's
-        parallel = ""
-        if shard is not None:
-            degree = torch.distributed.distributed_c10d._resolve_process_group(shard[0]).size()
-            parallel = (f" [tensor-parallel: degree {degree}, this rank's vocabulary rows {shard[1]}.."
-                        f"{shard[1] + vocab - 1}; bytes per rank]")  # fmt: skip
         report.rewrites.append(
-            Rewrite(
-                graph=report.index,
-                matmul_source=source_line(region.projection),
-                loss_source=loss_line,
-                form=" -> ".join(region.steps_text) + f" => {outputs}" + parallel,
-                num_tokens=_plain(num_tokens),
-                hidden_size=_plain(weight.shape[1]),
-                vocab_size=_plain(vocab if shard is None else shard[2]),
-                dtype=str(dtype).replace("torch.", ""),
-                reduction=_reduction_text(region, covered),
-                tile_tokens=tile_now,
-                num_tiles=_plain((num_tokens + tile_now - 1) // tile_now),
-                **logits_bytes_fields(num_tokens * vocab, itemsize, kept, tile_buffer, _plain),
-                returned_logits=splice.returned_logits,
-                returned_logits_bytes=_plain(kept),
-                compiled_tiles=options.compile_tiles,
-                weight_grad_sum=_weight_grad_sum(schedule if weight.requires_grad else None, dtype),
-                token_skipping=_token_skipping(region),
-            )
+            _rewritten(report.index, region, val(node), splice, covered, tile, loss_line, options)
         )
+
+
+def _tile_asked(region, logits, options: TileOptions) -> TileSize:
+    """The tile the options ask for: as given, or at most what the byte budget allows (automatic)."""
+    dtype = logits.dtype
+    tokens = choose_tile_tokens(
+        region.program.vocab_size, dtype, dtype != torch.float32, tile_tokens=options.tile_tokens,
+        tile_bytes=options.tile_bytes, device=logits.device, fused=options.compile_tiles,
+    )  # fmt: skip
+    return TileSize(tokens, automatic=options.tile_tokens is None)
+
+
+def _rewritten(
+    graph: int, region, logits, splice, covered, tile: TileSize, loss_line: str, options
+) -> Rewrite:
+    """The report's record of one rewritten region: the plan the tile loop will make for the sizes'
+    hints (the same :func:`tile_pass._plan.plan_tiles`), the bytes it avoids, how it was spliced."""
+    dtype, vocab, num_tokens = logits.dtype, region.program.vocab_size, region.num_tokens
+    weight, tokens = val(region.weight), optimization_hint(num_tokens, fallback=8192)  # unguarded hints
+    # the loop's head: this rank's vocabulary rows when sharded
+    shape = (optimization_hint(vocab, fallback=4096), optimization_hint(weight.shape[1], fallback=4096))
+    tile_plan = plan_tiles(tokens, tokens, tile, shape, dtype, weight.device, options.compile_tiles)
+    returned = [val(o.node) for o in region.outputs if o.shape.layout is Layout.ROWS]
+    returned += [val(node) for node in region.kept_whole]
+    kept = sum(value.numel() * value.element_size() for value in returned)
+    outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
+    shard = region.program.shard  # a vocabulary-sharded head: bytes are this rank's
+    parallel = ""
+    if shard is not None:
+        degree = torch.distributed.distributed_c10d._resolve_process_group(shard[0]).size()
+        parallel = (f" [tensor-parallel: degree {degree}, this rank's vocabulary rows {shard[1]}.."
+                    f"{shard[1] + vocab - 1}; bytes per rank]")  # fmt: skip
+    return Rewrite(
+        graph=graph,
+        matmul_source=source_line(region.projection),
+        loss_source=loss_line,
+        form=" -> ".join(region.steps_text) + f" => {outputs}" + parallel,
+        num_tokens=_plain(num_tokens),
+        hidden_size=_plain(weight.shape[1]),
+        vocab_size=_plain(vocab if shard is None else shard[2]),
+        dtype=str(dtype).replace("torch.", ""),
+        reduction=_reduction_text(region, covered),
+        tile_tokens=tile_plan.tile,
+        num_tiles=_plain((num_tokens + tile_plan.tile - 1) // tile_plan.tile),
+        **logits_bytes_fields(num_tokens * vocab, dtype.itemsize, kept, tile_plan.tile_bytes, _plain),
+        returned_logits=splice.returned_logits,
+        returned_logits_bytes=_plain(kept),
+        compiled_tiles=options.compile_tiles,
+        weight_grad_sum=_weight_grad_sum(tile_plan.schedule if weight.requires_grad else None, dtype),
+        token_skipping=_token_skipping(region),
+    )
 
 
 def _reduction_text(region, covered: set) -> str:
