@@ -200,9 +200,8 @@ _spellings: dict[Any, Spelling | None] = {}
 def _function_names() -> dict[Any, str]:
     if not _index:
         for module in _NAMESPACES:
-            for name in dir(module):
-                obj = getattr(module, name, None) if not name.startswith("_") else None
-                if callable(obj) and not isinstance(obj, type):
+            for name, obj in sorted(vars(module).items()):  # not getattr: it would import lazy submodules
+                if not name.startswith("_") and callable(obj) and not isinstance(obj, type):
                     try:
                         _index.setdefault(obj, name)
                     except TypeError:  # an unhashable callable
