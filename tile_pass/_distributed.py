@@ -19,8 +19,8 @@ the tiles sums the shares, as the replicated hidden states require (``tiled_regi
 Two ways in: a Dynamo graph whose example values are DTensors (torchtitan's
 ``ColwiseParallel(output_layouts=Shard(-1))``; the matcher reads the shard from them, and the
 rewritten graph's ``run_region`` runs on the local shards: :func:`on_local_shards`), and
-:func:`tile_pass.linear_cross_entropy` with a ``Shard(0)`` weight (:func:`local_head` unwraps it; its textbook region is matched with
-the shard given explicitly, :data:`VOCAB_SHARD_META`).
+:func:`tile_pass.linear_cross_entropy` with a ``Shard(0)`` weight (:func:`local_head` unwraps
+it; its textbook region is matched with the shard given explicitly, :data:`VOCAB_SHARD_META`).
 """
 
 from __future__ import annotations
