@@ -78,16 +78,26 @@ def _gathered_label_row_sum(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     if dim not in (1, -1):
         return False
     val = grad.meta.get("val") if isinstance(grad, torch.fx.Node) else None
+    # as the decomposition: half precision computed in float32 and cast back to the input's
+    # dtype, each cast explicit (Inductor computes so anyway; torch 2.11's also lowers a
+    # half-precision NLL gradient to float32, which only an explicit cast back stores as it should)
+    compute = torch.float32 if val.dtype in (torch.float16, torch.bfloat16) else val.dtype
+
+    def to(value: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+        return graph.call_function(aten._to_copy.default, (value,), {"dtype": dtype})
+
     with graph.inserting_before(node):
         found = _one_hot_labels(graph, grad)
         if found is None:
             return False
         _, row_sum = found
+        if compute != val.dtype:
+            grad, log_probs, row_sum = to(grad, compute), to(log_probs, compute), to(row_sum, compute)
         softmax = graph.call_function(aten.exp.default, (log_probs,))
         scaled = graph.call_function(aten.mul.Tensor, (softmax, row_sum))
         result = graph.call_function(aten.sub.Tensor, (grad, scaled))
-        if val.dtype != input_dtype:  # as the decomposition casts back to the input's dtype
-            result = graph.call_function(aten._to_copy.default, (result,), {"dtype": input_dtype})
+        if compute != input_dtype:
+            result = to(result, input_dtype)
     result.meta = dict(node.meta)
     node.replace_all_uses_with(result)
     graph.erase_node(node)
@@ -319,11 +329,17 @@ def split_label_column(gm: torch.fx.GraphModule, logits_index: int) -> bool:
     if not all(isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape == vals[0].shape for v in vals):
         return False
     graph, shape = gm.graph, vals[0].shape
+    grad_casts, one_hot = [], grad  # a half-precision gradient is upcast (see _gathered_label_row_sum)
+    while isinstance(one_hot, torch.fx.Node) and one_hot.target is aten._to_copy.default:
+        grad_casts.append(one_hot)
+        one_hot = one_hot.args[0]
     with graph.inserting_before(copy):
-        found = _one_hot_labels(graph, grad)
+        found = _one_hot_labels(graph, one_hot)
         if found is None:
             return False
         label, at_label = found
+        for cast in reversed(grad_casts):  # the cast's label column: the label column cast
+            at_label = graph.call_function(cast.target, (at_label, *cast.args[1:]), dict(cast.kwargs))
         off_label = graph.call_function(aten.rsub.Scalar, (dense, 0.0))  # 0 - p * s
         at_label = graph.call_function(aten.sub.Tensor, (at_label, _gathered(graph, dense, label, shape)))
         for cast in reversed(casts):
