@@ -115,43 +115,8 @@ def linear_cross_entropy(
                 if weight is None or weight.shape != linear_weight.shape or "weight tensor" not in str(error):
                     raise
                 raise _ClassWeightsError(f"{error}. {_class_weights_hint(weight)}") from error
-    # what eager accepts and the tiles do not, or a sharded head's input
-    if weight is not None and weight.dim() != 1:
-        raise _ClassWeightsError(_class_weights_hint(weight))
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{reduction} is not a valid value for reduction")
-    if not label_smoothing <= 1.0:
-        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
-    if label_smoothing < 0.0:  # eager takes it (torch checks <= 1 only); the tiles' rule does not
-        raise ValueError(f"tile_pass: a negative label_smoothing ({label_smoothing}) is not tiled")
-    if len(head_shape) != 2:
-        raise ValueError(f"tile_pass: linear_weight must be 2-D [V, H], got shape {tuple(head_shape)}")
-    vocab_size, hidden_size = head_shape
-    if hidden.dim() < 1 or hidden.shape[-1] != hidden_size:
-        raise ValueError(
-            f"input's last dimension must equal linear_weight.shape[1] = {hidden_size}, "
-            f"got input of shape {tuple(hidden.shape)}"
-        )
-    if bias is not None and tuple(bias.shape) != (vocab_size,):  # as torch's F.linear_cross_entropy
-        raise RuntimeError(f"expected linear_bias shape ({vocab_size},), got {tuple(bias.shape)}")
-    if weight is not None and tuple(weight.shape) != (vocab_size,):
-        raise RuntimeError(
-            f"weight tensor should be defined either for all {vocab_size} classes or no classes"
-        )
-    soft_targets = _soft(target, hidden, vocab_size)
-    if soft_targets and ignore_index is not None:
-        raise RuntimeError(_IGNORE_WITH_PROBABILITIES)
-    ignore_index = -100 if ignore_index is None else ignore_index
-    if not soft_targets:
-        if not _is_int(ignore_index):
-            raise TypeError(f"ignore_index must be int, not {type(ignore_index).__name__}")
-        if target.dtype not in (torch.long, torch.uint8):
-            raise RuntimeError(f"expected target dtype to be Long or Byte, but got {target.dtype}")
-        if target.dim() > 1 and tuple(target.shape) != tuple(hidden.shape[:-1]):
-            raise ValueError(
-                f"target must have shape input.shape[:-1] = {tuple(hidden.shape[:-1])} (one class index per "
-                f"token) or be 1-D, got {tuple(target.shape)}"
-            )
+    vocab_size, hidden_size = _check_head(hidden, head_shape, bias, weight, reduction, label_smoothing)
+    soft_targets, ignore_index = _check_target(target, hidden, vocab_size, ignore_index)
     target_shape = target.shape[:-1] if soft_targets else target.shape
     # [..., H] -> [N, H]; unlike reshape(-1, H) also for H == 0
     hidden = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
@@ -197,6 +162,54 @@ def linear_cross_entropy(
     )  # fmt: skip
     loss = _textbook.run(options, hidden, linear_weight, bias, target, weight)
     return loss.view(target_shape) if reduction == "none" else loss
+
+
+def _check_head(hidden, head_shape, bias, weight, reduction, label_smoothing) -> tuple[int, int]:
+    """What eager accepts and the tiles do not, or a sharded head's input: raised before any tile.
+    Returns ``(V, H)``."""
+    if weight is not None and weight.dim() != 1:
+        raise _ClassWeightsError(_class_weights_hint(weight))
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    if not label_smoothing <= 1.0:
+        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
+    if label_smoothing < 0.0:  # eager takes it (torch checks <= 1 only); the tiles' rule does not
+        raise ValueError(f"tile_pass: a negative label_smoothing ({label_smoothing}) is not tiled")
+    if len(head_shape) != 2:
+        raise ValueError(f"tile_pass: linear_weight must be 2-D [V, H], got shape {tuple(head_shape)}")
+    vocab_size, hidden_size = head_shape
+    if hidden.dim() < 1 or hidden.shape[-1] != hidden_size:
+        raise ValueError(
+            f"input's last dimension must equal linear_weight.shape[1] = {hidden_size}, "
+            f"got input of shape {tuple(hidden.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (vocab_size,):  # as torch's F.linear_cross_entropy
+        raise RuntimeError(f"expected linear_bias shape ({vocab_size},), got {tuple(bias.shape)}")
+    if weight is not None and tuple(weight.shape) != (vocab_size,):
+        raise RuntimeError(
+            f"weight tensor should be defined either for all {vocab_size} classes or no classes"
+        )
+    return vocab_size, hidden_size
+
+
+def _check_target(target, hidden, vocab_size: int, ignore_index) -> tuple[bool, int]:
+    """Class indices (one per token) or class probabilities (``[..., V]``) as eager takes them;
+    returns whether they are probabilities, and the ignore index in force."""
+    soft_targets = _soft(target, hidden, vocab_size)
+    if soft_targets and ignore_index is not None:
+        raise RuntimeError(_IGNORE_WITH_PROBABILITIES)
+    ignore_index = -100 if ignore_index is None else ignore_index
+    if not soft_targets:
+        if not _is_int(ignore_index):
+            raise TypeError(f"ignore_index must be int, not {type(ignore_index).__name__}")
+        if target.dtype not in (torch.long, torch.uint8):
+            raise RuntimeError(f"expected target dtype to be Long or Byte, but got {target.dtype}")
+        if target.dim() > 1 and tuple(target.shape) != tuple(hidden.shape[:-1]):
+            raise ValueError(
+                f"target must have shape input.shape[:-1] = {tuple(hidden.shape[:-1])} (one class index per "
+                f"token) or be 1-D, got {tuple(target.shape)}"
+            )
+    return soft_targets, ignore_index
 
 
 #: linear_cross_entropy's own keywords beside the tiling's (named in the error for an unknown one)

@@ -406,7 +406,7 @@ def _run_tiles(
     direct = need.weight and key.weight_grad is WeightGradSchedule.DIRECT
     whole = rows is None and num_tokens == tile
     row_inputs, tangent_list = tuple(row_inputs), [tangents[i] for i in key.tangents]
-    kernel = _program_kernel(key)
+    kernel = _program_kernel(key) if num_tokens else None  # no tile, no trace (an empty batch)
     for start in range(0, num_tokens, tile):
         count = min(tile, num_tokens - start)
         size = tile if count == tile else effective_tile(count, TileSize(tile))  # a short last tile: padded
