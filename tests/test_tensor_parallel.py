@@ -545,17 +545,29 @@ def test_row_wise_regions_of_a_sharded_head_are_tiled_and_exact(tmp_path):
 # ------------------------------------ TRL's GRPO forms on a vocabulary-sharded head, compiled
 
 
+def _trl_forms() -> dict:
+    """TRL's forms this torch's Dynamo traces on DTensor logits. torch 2.11's Dynamo cannot trace
+    ``selective_log_softmax``'s per-row gather of a ``Shard(-1)`` DTensor by a DTensor index even
+    under plain ``torch.compile(backend="aot_eager")`` ("Mixing fake modes NYI"; 2.13 can; 2.12
+    not tried), so there that form is left out."""
+    from trl_forms import FORMS
+
+    if tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13):
+        return {name: form for name, form in FORMS.items() if name != "grpo_selective"}
+    return FORMS
+
+
 def _trl_worker(rank, port, outdir, inner):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-    from trl_forms import FORMS, batch
+    from trl_forms import batch
 
     with _process_group(rank, port):
         mesh = init_device_mesh("cpu", (WORLD,))
         hidden, weight, (ids, mask, advantages) = *_trl_data(), batch(3, 11, V)
         results = {}
-        for name, form in FORMS.items():
+        for name, form in _trl_forms().items():
             head = torch.nn.Linear(H, V, bias=False)
             head.weight.data.copy_(weight)
             # the logits stay Shard(-1) DTensors; no loss_parallel() (see docs/distributed.md,
@@ -588,11 +600,11 @@ def test_trl_grpo_forms_on_a_vocabulary_sharded_head_are_rewritten_and_exact(tmp
     a ``ColwiseParallel(output_layouts=Shard(-1))`` head: one tiled region per rank, loss and
     gradients equal to float64 eager on the whole head."""
     pytest.importorskip("trl")
-    from trl_forms import FORMS, batch
+    from trl_forms import batch
 
     spawn(_trl_worker, (_free_port(), str(tmp_path), inner))
     results = [torch.load(tmp_path / f"trl{rank}.pt") for rank in range(WORLD)]
-    for name, form in FORMS.items():
+    for name, form in _trl_forms().items():
         hidden, weight = _trl_data()
         h, w = hidden.double().requires_grad_(), weight.double().requires_grad_()
         loss = form(F.linear(h, w), *batch(3, 11, V))
