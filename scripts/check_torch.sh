@@ -2,7 +2,8 @@
 # The whole default test suite on one torch release (CPU), in a venv of its own:
 #   bash scripts/check_torch.sh VERSION [PYTEST_ARGS...]       # e.g. 2.11.0, 2.14.1, 2.15.0
 # It installs torch==VERSION, then the project with its test extra and torchtitan as the README's
-# test command does, then runs `python -m pytest -q` in the checkout this script lies in. To test a
+# test command does, then runs `python -m pytest -q` in the checkout this script lies in (after a
+# line naming its torch and commit, for the record: docs/torch_versions.md). To test a
 # fixed commit while the tree is being edited, run it from a worktree of that commit:
 #   git worktree add /tmp/tp-2.15.0 HEAD && bash /tmp/tp-2.15.0/scripts/check_torch.sh 2.15.0
 # VENV=/path picks the venv (default /tmp/venv-torch-VERSION; reused if it exists). The registry's
@@ -33,5 +34,10 @@ case "$got" in
     exit 1
     ;;
 esac
+commit="$(git rev-parse --short HEAD 2>/dev/null || echo 'no git')"
+if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+    commit="$commit with uncommitted changes"
+fi
 "$py" -c "import tile_pass, torch; print('torch', torch.__version__, '| tile_pass from', tile_pass.__file__)"
+echo "at commit $commit"
 "$py" -m pytest -q "$@"
