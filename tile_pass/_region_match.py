@@ -43,8 +43,49 @@ from tile_pass._rules import PREVIOUS_STEP, AfterTiles, Classified, RuleKind, Sh
 from tile_pass._token_layout import after_tiles, restore, select
 from tile_pass.report import source_line
 
+_PER_TOKEN = (Layout.TOKENS, Layout.TOKENS1)
 _ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
 _EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+
+
+@dataclass(frozen=True)
+class ProgramValue:
+    """Value ``index`` of the program (``Ref(VALUE, index)``): the step that computes it (none for
+    the logits, value 0), its shape in a tile, the kind of rule that made the step (the sharded
+    form reads it), and where it is zero whatever the logits (:func:`tile_pass._region.zero_where`)."""
+
+    index: int
+    step: Step | None
+    shape: Shape
+    kind: RuleKind | None = None
+    zeros: _region.Zeros | None = None
+
+    def __post_init__(self):
+        if not (self.index == 0) == (self.step is None) == (self.kind is None):
+            raise ValueError(f"{self}: the logits (value 0), and only they, have no step and no kind")
+        if self.shape.layout is Layout.REDUCED:
+            raise ValueError(f"{self}: a tile holds no value reduced over the tokens")
+
+
+@dataclass(frozen=True)
+class RegionValue:
+    """Every fact the matcher proved about one node of the region, in one record: the program
+    value it reads as (a view or a row selection shares its source's), its shape as its readers
+    see it, and how it stands to the row selections, the token slices and the tiles."""
+
+    value: ProgramValue
+    shape: Shape  # REDUCED when a token reduction is left to after the tiles (the value is per token)
+    selection: int | None = None  # the row selection (``RegionMatcher.selections``) it is computed on
+    after_tiles: AfterTiles | None = None  # that token reduction
+    pieces: tuple[tuple, ...] = ()  # a chunk/split of ``source``'s rows: each piece's index into them
+    source: torch.fx.Node | None = None
+    sliced: int = 0  # the logits' token slices before it (fewer than the region's: read only up to them)
+
+    def __post_init__(self):
+        if (self.after_tiles is None) == (self.shape.layout is Layout.REDUCED):
+            raise ValueError(f"{self}: reduced over the tokens if and only if a token reduction is left")
+        if bool(self.pieces) != (self.source is not None) or (self.pieces and self.shape.item is None):
+            raise ValueError(f"{self}: only a split of the rows, a tuple, has pieces and a source")
 
 
 @dataclass
@@ -217,26 +258,23 @@ def _shard_program_steps(matcher) -> list[Step]:
     if any(not row.zero_dim for row in matcher.row_inputs):
         raise NoMatch("a [V] operand of the logits is not sharded with the head yet")
     steps = []
-    layouts = [shape.layout for shape in matcher.step_shapes]
-    for step, layout, kind in zip(matcher.steps, layouts, matcher.step_kinds, strict=True):
-        source = step.args[0] if step.args else None
-        reads_rows = (
-            isinstance(source, Ref) and source.kind is RefKind.VALUE
-            and (source.index == 0 or layouts[source.index - 1] is Layout.ROWS)
-        )  # fmt: skip
-        if reads_rows and kind.over_vocab:
+
+    def layout(arg) -> Layout | None:  # of a value the step reads
+        is_value = isinstance(arg, Ref) and arg.kind is RefKind.VALUE
+        return matcher.program[arg.index].shape.layout if is_value else None
+
+    for value in matcher.program[1:]:
+        step = value.step
+        reads_rows = bool(step.args) and layout(step.args[0]) is Layout.ROWS
+        if reads_rows and value.kind.over_vocab:
             sharded = shard_step(step, group_name, start, int(matcher.vocab))
             if sharded is None:
                 raise NoMatch("{} ({}) has no tensor-parallel form yet", step.describe(), step.source)
             step = sharded
-        elif reads_rows and step.target == "reshape" and layout is Layout.ROWS:
+        elif reads_rows and step.target == "reshape" and value.shape.layout is Layout.ROWS:
             step = replace(step, args=(*step.args[:-1], rows))
-        elif layout is Layout.ROWS:  # an elementwise step of the rows
-            replicated = tuple(
-                i for i, a in enumerate(step.args)
-                if isinstance(a, Ref) and a.kind is RefKind.VALUE and a.index > 0
-                and layouts[a.index - 1] in (Layout.TOKENS, Layout.TOKENS1)
-            )  # fmt: skip
+        elif value.shape.layout is Layout.ROWS:  # an elementwise step of the rows
+            replicated = tuple(i for i, a in enumerate(step.args) if layout(a) in _PER_TOKEN)
             if any(isinstance(v, Ref) and v.kind is RefKind.VALUE for _, v in step.kwargs):
                 raise NoMatch("{} ({}) takes a computed value by keyword", step.describe(), step.source)
             if replicated:
@@ -250,12 +288,15 @@ class RegionMatcher:
     """Phases 2-4 for one projection (see the module docstring); the rules
     (:mod:`tile_pass._rules`) read its values and add its operands through the methods below."""
 
-    def __init__(self, graph: torch.fx.Graph, projection: torch.fx.Node, linear, autocast_states, drop_rows):
-        self.graph = graph
-        self.projection = projection
+    def __init__(
+        self, graph: torch.fx.Graph, projection: torch.fx.Node, linear, autocast_states, drop_rows: bool,
+        select_rows: bool = False, excluded=(),
+    ):  # fmt: skip
+        self.graph, self.projection, self.autocast_states = graph, projection, autocast_states
         self.hidden, self.weight, self.bias, self.transpose, self.head_form = linear
-        self.autocast_states = autocast_states
         self.drop_rows = drop_rows
+        self.select_rows = select_rows  # the second pass: row selections stay selections of the tiles' rows
+        self.excluded = set(excluded)  # partner heads whose logits no region value combines
         hidden_val, weight_val, out_val = val(self.hidden), val(self.weight), val(projection)
         if hidden_val is None or weight_val is None or out_val is None or weight_val.dim() != 2:
             raise NoMatch("the projection's inputs carry no shape information")
@@ -277,50 +318,40 @@ class RegionMatcher:
         self.ambient = None if ambient_dtype is None else (self.device_type, ambient_dtype)
         self.hidden_tokens = tuple(hidden_val.shape[:-1])
         self.num_tokens = math.prod(self.hidden_tokens)
-        dtypes = {v.dtype for v in (hidden_val, weight_val, val(self.bias)) if v is not None}
-        self.autocast_dtype = None
-        if dtypes != {out_val.dtype}:
-            if out_val.dtype not in (torch.bfloat16, torch.float16):
-                raise NoMatch("the linear's output dtype {} does not follow from its inputs", out_val.dtype)
-            # only autocast makes mixed inputs a half output; without it eager raises ("expected m1 and m2
-            # to have the same dtype"), and so does the graph left as it is (the fake run does not check)
-            state = self.step(projection, None, ()).autocast  # the node's autocast context, as a step's
-            if state is None or state[1] != out_val.dtype:
-                raise NoMatch("{} mixes dtypes {} outside autocast; eager raises on it (left to raise)",
-                              projection, sorted(str(d)[6:] for d in dtypes))  # fmt: skip
-            self.autocast_dtype = out_val.dtype
-        self.values: dict[torch.fx.Node, tuple[int, Shape]] = {
-            projection: (0, Shape(Layout.ROWS, self.hidden_tokens))
-        }
-        self.steps: list[Step] = []
-        self.step_shapes: list[Shape] = []  # the shape of each step's value
-        self.step_kinds: list[RuleKind] = []  # the kind of rule that made each step
-        self.nodes: list[torch.fx.Node] = []
+        self.autocast_dtype = self._autocast_dtype(hidden_val, weight_val, out_val)
+        logits = ProgramValue(0, None, Shape(Layout.ROWS, self.hidden_tokens))
+        self.program: list[ProgramValue] = [logits]  # value i is program[i]; the steps after it: the program
+        self.values: dict[torch.fx.Node, RegionValue] = {projection: RegionValue(logits, logits.shape)}
+        self.outside: dict[torch.fx.Node, NoMatch] = {}  # node that depends on the logits -> why not row-wise
         self.token_inputs: list[TokenInput] = []
         self.row_inputs: list[RowInput] = []
-        self.after: dict[torch.fx.Node, tuple[AfterTiles, Shape]] = {}
         self.index_checks: list[tuple] = []
-        self.outside: dict[torch.fx.Node, NoMatch] = {}  # node that depends on the logits -> why not row-wise
         self.head_signs = False
-        self.dropped: list[torch.fx.Node] = []  # returned rows not computed (drop_logits=True)
-        #: rows before a token slice that the graph returns: left to the graph, computed whole
+        #: returned rows: not computed (drop_logits=True); before a token slice, left to the graph whole
+        self.dropped: list[torch.fx.Node] = []
         self.kept_whole: list[torch.fx.Node] = []
-        self.zeros: dict[int, _region.Zeros | None] = {}  # per value: where it is zero (_region.zero_where)
         self.slices: list[tuple] = []  # token selections moved onto the hidden states, in order
-        self.slice_steps: list[int] = []
-        self.slice_nodes: list[torch.fx.Node] = []
-        self.pre_slice: set[torch.fx.Node] = set()  # values computed before the last of them
-        self.partners: list[torch.fx.Node] = []  # other heads' projections whose tiles the region computes
-        self.excluded: set[torch.fx.Node] = set()  # partners whose logits no region value combines
-        #: row selections read beside all rows (``logits[:B]``): kept as selections of the tiles'
-        #: rows rather than moved onto the hidden states (a second matching pass turns this on)
-        self.select_rows = False
+        self.slice_steps: list[int] = []  # per slice, the first program value after it
+        #: other heads' projections whose tiles the region computes -> their transpose, if only theirs
+        self.partners: dict[torch.fx.Node, torch.fx.Node | None] = {}
         self.selections: list[tuple[tuple, tuple]] = []  # (index, the selected token dims)
-        self.selection_of: dict[torch.fx.Node, int] = {}  # region value -> its selection
         self.selection: int | None = None  # the selection of the node being classified
-        self.split_parts: dict[torch.fx.Node, list[tuple]] = {}  # chunk/split/narrow -> its pieces' indices
-        self.split_source: dict[torch.fx.Node, torch.fx.Node] = {}
         self.saw_selection = False  # a chunk/split/narrow of the rows: the second pass may take it
+
+    def _autocast_dtype(self, hidden_val, weight_val, out_val) -> torch.dtype | None:
+        """The autocast dtype the projection runs in (``None``: its inputs' own)."""
+        dtypes = {v.dtype for v in (hidden_val, weight_val, val(self.bias)) if v is not None}
+        if dtypes == {out_val.dtype}:
+            return None
+        if out_val.dtype not in (torch.bfloat16, torch.float16):
+            raise NoMatch("the linear's output dtype {} does not follow from its inputs", out_val.dtype)
+        # only autocast makes mixed inputs a half output; without it eager raises ("expected m1 and m2
+        # to have the same dtype"), and so does the graph left as it is (the fake run does not check)
+        state = self.step(self.projection, None, ()).autocast  # the node's autocast context, as a step's
+        if state is None or state[1] != out_val.dtype:
+            raise NoMatch("{} mixes dtypes {} outside autocast; eager raises on it (left to raise)",
+                          self.projection, sorted(str(d)[6:] for d in dtypes))  # fmt: skip
+        return out_val.dtype
 
     # ---------------------------------------------------------------- operands
 
@@ -336,10 +367,18 @@ class RegionMatcher:
 
     def shape_of(self, arg) -> Shape | None:
         """The shape of a region value; None for anything else."""
-        return self.values[arg][1] if isinstance(arg, torch.fx.Node) and arg in self.values else None
+        return self.values[arg].shape if isinstance(arg, torch.fx.Node) and arg in self.values else None
 
     def value_ref(self, arg: torch.fx.Node) -> Ref:
-        return Ref(RefKind.VALUE, self.values[arg][0])
+        return Ref(RefKind.VALUE, self.values[arg].value.index)
+
+    def _join(self, node: torch.fx.Node, value: ProgramValue, shape: Shape, **facts) -> None:
+        """``node`` joins the region as ``value`` (its record: see :class:`RegionValue`)."""
+        self.values[node] = RegionValue(value, shape, sliced=len(self.slices), **facts)
+
+    def _before_slice(self, node: torch.fx.Node) -> bool:
+        """Whether the region value ``node`` was computed before the logits' last token slice."""
+        return node in self.values and self.values[node].sliced < len(self.slices)
 
     def operand(self, arg, out: Shape, node: torch.fx.Node):
         """A step's argument: a region value, a per-token or shared input, or a constant."""
@@ -350,7 +389,7 @@ class RegionMatcher:
         if not isinstance(arg, torch.fx.Node):
             return arg
         if arg in self.values:
-            if self.values[arg][1].layout is Layout.REDUCED:
+            if self.values[arg].shape.layout is Layout.REDUCED:
                 raise NoMatch("{} reads a value reduced over the tokens", node)
             return self.value_ref(arg)
         if arg in self.depends:
@@ -412,7 +451,7 @@ class RegionMatcher:
         shape = self.shape_of(source)
         if shape is None or shape.layout is not Layout.ROWS:
             return False
-        if source in self.pre_slice:
+        if self._before_slice(source):
             raise NoMatch("{} slices the logits' token rows a second way", node)
         index = leading_index(node, len(shape.tokens) + 1)
         if index is None:
@@ -423,12 +462,10 @@ class RegionMatcher:
             raise NoMatch("{} slices the token rows after a per-token value was combined with them; slice "
                           "the logits first", node)  # fmt: skip
         tokens = tuple(val(node).shape[:-1])
-        self.pre_slice |= set(self.values)
         self.slices.append(index)
-        self.slice_nodes.append(node)
-        self.slice_steps.append(len(self.steps))  # where "slice tokens" reads in the report
+        self.slice_steps.append(len(self.program))  # the first value after it (the report shows it there)
         self.hidden_tokens, self.num_tokens = tokens, math.prod(tokens)
-        self.values[node] = (self.values[source][0], Shape(Layout.ROWS, tokens))
+        self._join(node, self.values[source].value, Shape(Layout.ROWS, tokens))
         return True
 
     def row_selection(self, node: torch.fx.Node) -> bool:
@@ -447,9 +484,10 @@ class RegionMatcher:
             self.saw_selection = True  # the second pass takes it
         if not self.select_rows:
             return False
-        if selects is Selects.INDEX and source in self.split_parts and isinstance(node.args[1], int):
-            index, shape = self.split_parts[source][node.args[1]], self.shape_of(self.split_source[source])
-            source = self.split_source[source]
+        split = self.values.get(source) if isinstance(source, torch.fx.Node) else None
+        if selects is Selects.INDEX and split is not None and split.pieces and isinstance(node.args[1], int):
+            index, source = split.pieces[node.args[1]], split.source
+            shape = self.shape_of(source)
         elif splits and shape is not None and shape.layout is Layout.ROWS:
             return self._split(node, selects is Selects.ONE_PIECE, source, shape)
         elif selects is Selects.INDEX and shape is not None and shape.layout is Layout.ROWS:
@@ -458,7 +496,7 @@ class RegionMatcher:
                 return False
         else:
             return False
-        if source in self.selection_of or not same_shape(shape.tokens, self.hidden_tokens):
+        if self.values[source].selection is not None or not same_shape(shape.tokens, self.hidden_tokens):
             raise NoMatch("{} selects token rows of rows already selected or regrouped", node)
         bounds: list[torch.fx.Node] = []
         torch.fx.node.map_arg(index, bounds.append)
@@ -475,7 +513,7 @@ class RegionMatcher:
         if not isinstance(dim, int) or not 0 <= dim % ndim < ndim - 1:
             raise NoMatch("{} splits the logits along the vocabulary, not the token rows", node)
         dim %= ndim
-        if source in self.selection_of or not same_shape(shape.tokens, self.hidden_tokens):
+        if self.values[source].selection is not None or not same_shape(shape.tokens, self.hidden_tokens):
             raise NoMatch("{} selects token rows of rows already selected or regrouped", node)
 
         def index(start, stop):
@@ -490,9 +528,9 @@ class RegionMatcher:
         if not isinstance(pieces, (list, tuple)) or any(not isinstance(p.shape[dim], int) for p in pieces):
             raise NoMatch("{} splits the token rows into pieces of symbolic sizes", node)
         starts = [sum(p.shape[dim] for p in pieces[:k]) for k in range(len(pieces) + 1)]
-        self.split_source[node] = source
-        self.split_parts[node] = [index(a, b) for a, b in zip(starts, starts[1:], strict=False)]
-        self.values[node] = (self.values[source][0], Shape(Layout.TUPLE, shape.tokens, Layout.ROWS))
+        pieces = tuple(index(a, b) for a, b in zip(starts, starts[1:], strict=False))
+        tuple_shape = Shape(Layout.TUPLE, shape.tokens, Layout.ROWS)
+        self._join(node, self.values[source].value, tuple_shape, pieces=pieces, source=source)
         return True
 
     def row_selection_of(self, node: torch.fx.Node, source: torch.fx.Node, index: tuple) -> bool:
@@ -502,13 +540,12 @@ class RegionMatcher:
         if known is None:
             self.selections.append((index, tokens))
             known = len(self.selections) - 1
-        self.values[node] = (self.values[source][0], Shape(Layout.ROWS, tokens))
-        self.selection_of[node] = known
+        self._join(node, self.values[source].value, Shape(Layout.ROWS, tokens), selection=known)
         return True
 
     def _selection_read(self, node: torch.fx.Node) -> int | None:
         """The row selection the region values ``node`` reads were computed on (``None``: all rows)."""
-        found = {self.selection_of.get(a) for a in node.all_input_nodes if a in self.values}
+        found = {self.values[a].selection for a in node.all_input_nodes if a in self.values}
         if len(found) > 1:
             raise NoMatch("{} combines values of different selections of the token rows", node)
         return found.pop() if found else None
@@ -522,7 +559,7 @@ class RegionMatcher:
             return False
         if self.bias is not None or self.shard is not None or self.autocast_dtype is not None or node.kwargs:
             return False
-        if len(node.args) != 2 or list(self.projection.users) != [node] or self.steps:
+        if len(node.args) != 2 or list(self.projection.users) != [node] or len(self.program) > 1:
             return False
         logits, bias = node.args if node.args[0] is self.projection else node.args[::-1]
         if logits is not self.projection or not isinstance(bias, torch.fx.Node) or bias in self.depends:
@@ -543,7 +580,7 @@ class RegionMatcher:
 
     def classify(self, node: torch.fx.Node) -> list[Classified]:
         """The node's steps by the rule registered for its op; ``NoMatch`` if it has none."""
-        before = [a for a in node.all_input_nodes if a in self.pre_slice]
+        before = [a for a in node.all_input_nodes if self._before_slice(a)]
         if before:
             raise NoMatch("{} reads {}, computed before the logits' token slice, so it would need the rows "
                           "the slice drops", node, before[0])  # fmt: skip
@@ -599,10 +636,7 @@ class RegionMatcher:
         classified = Classified(self.step(node, F.linear, args), Shape(Layout.ROWS, tokens))
         self._add(node, classified, RuleKind.ELEMENTWISE)
         self._no_gradient_through(node)
-        if transpose is not None and list(transpose.users) == [node]:
-            self.nodes.append(transpose)
-        self.nodes.append(node)
-        self.partners.append(node)
+        self.partners[node] = transpose if transpose is not None and list(transpose.users) == [node] else None
 
     def unused_partners(self) -> set[torch.fx.Node]:
         """The partner heads no region value combines with this head's logits (their readers
@@ -648,11 +682,9 @@ class RegionMatcher:
                 continue
             if self.shard is not None and _no_op_redistribute(node):
                 self.values[node] = self.values[node.args[0]]  # ColwiseParallel's output hook
-                self.nodes.append(node)
                 continue
             try:
                 if self.row_selection(node) or self.token_slice(node) or self.bias_after(node):
-                    self.nodes.append(node)
                     continue
                 selection = self.selection = self._selection_read(node)
                 classified = self.classify(node)
@@ -663,11 +695,8 @@ class RegionMatcher:
             finally:
                 self.selection = None
             for entry in classified:
-                self._add(node, entry)
+                self._add(node, entry, selection=selection)
             self._no_gradient_through(node)
-            if selection is not None:
-                self.selection_of[node] = selection
-            self.nodes.append(node)
 
     def _no_gradient_through(self, node: torch.fx.Node) -> None:
         """A floating value computed without a gradient from values that have one (under
@@ -676,63 +705,61 @@ class RegionMatcher:
         out = val(node)
         if not isinstance(out, torch.Tensor) or out.requires_grad or not out.is_floating_point():
             return
-        if node not in self.values or self.values[node][1].layout in (Layout.TUPLE, Layout.REDUCED):
+        record = self.values.get(node)
+        if record is None or record.shape.layout in (Layout.TUPLE, Layout.REDUCED):
             return
-        grads = [a for a in node.all_input_nodes if getattr(val(a), "requires_grad", False)]
-        if not grads:
+        if not any(getattr(val(a), "requires_grad", False) for a in node.all_input_nodes):
             return
-        index, shape = self.values[node]
-        step = self.step(node, "detach", (Ref(RefKind.VALUE, index),), op="call_method")
-        self._add(node, Classified(step, shape), RuleKind.ELEMENTWISE)
+        step = self.step(node, "detach", (Ref(RefKind.VALUE, record.value.index),), op="call_method")
+        self._add(node, Classified(step, record.shape), RuleKind.ELEMENTWISE, record.selection)
 
-    def _add(self, node: torch.fx.Node, entry: Classified, kind: RuleKind | None = None) -> None:
+    def _add(self, node: torch.fx.Node, entry: Classified, kind: RuleKind | None = None, selection=None):
         """A step of ``node`` joins the program; its readers see its value (reduced, if it is)."""
-        index = len(self.steps) + 1
-        step = entry.step
+        index, step = len(self.program), entry.step
         if step.args and step.args[0] == PREVIOUS_STEP:
             step = replace(step, args=(Ref(RefKind.VALUE, index - 1), *step.args[1:]))
-        self.steps.append(step)
-        self.step_shapes.append(entry.shape)
-        self.step_kinds.append(kind or _rules.rule_for(node).kind)
-        self.values[node] = (index, entry.shape)
         # a per-token input that is differentiated is no zero condition: d(mask * x)/d mask is x
         per_token = frozenset(
             i for i, t in enumerate(self.token_inputs)
             if t.part in ((), (1,)) and not getattr(val(t.node), "requires_grad", False)
         )  # fmt: skip
-        self.zeros[index] = _region.zero_where(step, self.zeros, per_token)
-        if entry.after_tiles is not None:
-            self.after[node] = (entry.after_tiles, entry.shape)
-            self.values[node] = (index, Shape(Layout.REDUCED, entry.shape.tokens))
+        zeros = _region.zero_where(step, dict(enumerate(v.zeros for v in self.program)), per_token)
+        value = ProgramValue(index, step, entry.shape, kind or _rules.rule_for(node).kind, zeros)
+        self.program.append(value)
+        after = entry.after_tiles
+        shape = entry.shape if after is None else Shape(Layout.REDUCED, entry.shape.tokens)
+        self._join(node, value, shape, selection=selection, after_tiles=after)
 
     def collect_outputs(self) -> list[RegionOutput] | None:
         """Phase 3: the region values read outside the region; None if it holds no head."""
         if not self.head_signs:
             return None
         outputs = []
-        for node, (index, shape) in self.values.items():
+        for node, record in self.values.items():
             users = [u for u in node.users if u not in self.values]
             if not users:
                 continue
-            if node in self.after:
-                after, tile_shape = self.after[node]
-                outputs.append(RegionOutput(node, index, tile_shape, bool(val(node).requires_grad), after))
+            index, shape = record.value.index, record.shape
+            if record.after_tiles is not None:  # the output is the tiles' per-token value
+                grad = bool(val(node).requires_grad)
+                outputs.append(RegionOutput(node, index, record.value.shape, grad, record.after_tiles))
                 continue
             if shape.layout is Layout.TUPLE:
                 raise NoMatch("{} is used whole; take its values and indices apart first", node)
-            if shape.layout is Layout.ROWS and node in self.selection_of:
+            if shape.layout is Layout.ROWS and record.selection is not None:
                 raise NoMatch("{} selects token rows that {} reads as [tokens, V] rows, so they must exist "
                               "whole", node, users[0], node=users[0])  # fmt: skip
             if shape.layout is Layout.ROWS:
-                if node in self.pre_slice:  # before the token slice: returned whole, or dropped
+                if self._before_slice(node):  # before the token slice: returned whole, or dropped
                     if all(u.op == "output" for u in users):
                         if self.drop_rows and len(self.slices) == 1:
                             self.dropped.append(node)
                         else:  # the graph keeps computing them; the tiles run the sliced rows
                             self.kept_whole.append(node)
                         continue
+                    first = next(n for n, r in self.values.items() if r.sliced)  # the first slice
                     raise NoMatch("{} slices the logits' token rows while {} reads them whole, so they must "
-                                  "exist whole", self.slice_nodes[0], users[0])  # fmt: skip
+                                  "exist whole", first, users[0])  # fmt: skip
                 if self.drop_rows and all(u.op == "output" for u in users) and not self.slices:
                     self.dropped.append(node)
                     continue
@@ -752,7 +779,7 @@ class RegionMatcher:
         if not outputs:
             return None
         for out in outputs:
-            self.selection = self.selection_of.get(out.node)
+            self.selection = self.values[out.node].selection
             out.flat_tokens = self.flat_tokens(out.shape.tokens)
             out.subset = None if self.selection is None else self.selections[self.selection][0]
         self.selection = None
@@ -767,9 +794,7 @@ class RegionMatcher:
             return None
         env: dict[torch.fx.Node, Ref] = {}
         steps: list[Step] = []
-        linear: set[torch.fx.Node] = set()  # depends on a differentiable output
         inputs: list[torch.fx.Node] = [self.hidden]  # the hidden states: for their token shape only
-        hidden = Ref(RefKind.REDUCE, 0)
 
         def external(arg):
             if not isinstance(arg, torch.fx.Node):
@@ -785,25 +810,13 @@ class RegionMatcher:
                 inputs.append(arg)
             return Ref(RefKind.REDUCE, inputs.index(arg))
 
-        for k, out in enumerate(outputs):
-            flat, read, rows = out.flat_tokens, Ref(RefKind.OUTPUT, k), hidden
-            if out.subset is not None:  # the selection's rows of what the tiles computed on all rows
-                steps.append(self.step(out.node, select, (read, hidden, out.subset)))
-                read = Ref(RefKind.VALUE, len(steps) - 1)
-                steps.append(self.step(out.node, operator.getitem, (hidden, out.subset)))
-                rows = Ref(RefKind.VALUE, len(steps) - 1)
-            if out.after_tiles is not None:
-                try:
-                    operands = [external(a) for a in out.after_tiles.operands]
-                except NoMatch:  # labels or class weights computed from the logits
-                    return None
-                args = (read, out.after_tiles.how, rows, flat, *operands)
-                steps.append(self.step(out.node, after_tiles, args))
-            else:
-                steps.append(self.step(out.node, restore, (read, rows, flat)))
-            env[out.node] = Ref(RefKind.VALUE, len(steps) - 1)
-            if out.differentiable:
-                linear.add(out.node)
+        try:
+            for k, out in enumerate(outputs):
+                steps.extend(self._restored(out, Ref(RefKind.OUTPUT, k), len(steps), external))
+                env[out.node] = Ref(RefKind.VALUE, len(steps) - 1)
+        except NoMatch:  # labels or class weights computed from the logits
+            return None
+        linear = {o.node for o in outputs if o.differentiable}  # depends on a differentiable output
         nodes = []
         for node in self.graph.nodes:
             if node in env or not _linear_in(node, linear):
@@ -823,12 +836,24 @@ class RegionMatcher:
             nodes.append(node)
         members = set(nodes) | {o.node for o in diff}
         sinks = [n for n in [o.node for o in diff] + nodes if any(u not in members for u in n.users)]
-        if len(sinks) != 1:
-            return None
-        sink, sink_val = sinks[0], val(sinks[0])
+        sink_val = val(sinks[0]) if len(sinks) == 1 else None
         if sink_val is None or sink_val.dim() != 0 or not sink_val.requires_grad:
             return None
-        return nodes, steps, sink, inputs, env[sink].index
+        return nodes, steps, sinks[0], inputs, env[sinks[0]].index
+
+    def _restored(self, out: RegionOutput, read: Ref, first: int, external) -> list[Step]:
+        """Phase 4's steps (numbered from ``first``) giving output ``read`` as the graph has it: the
+        selection's rows of what the tiles computed on all rows, and its token reduction finished."""
+        steps, rows, hidden = [], Ref(RefKind.REDUCE, 0), Ref(RefKind.REDUCE, 0)
+        if out.subset is not None:
+            steps.append(self.step(out.node, select, (read, hidden, out.subset)))
+            steps.append(self.step(out.node, operator.getitem, (hidden, out.subset)))
+            read, rows = Ref(RefKind.VALUE, first), Ref(RefKind.VALUE, first + 1)
+        if out.after_tiles is None:
+            return [*steps, self.step(out.node, restore, (read, rows, out.flat_tokens))]
+        operands = [external(a) for a in out.after_tiles.operands]
+        args = (read, out.after_tiles.how, rows, out.flat_tokens, *operands)
+        return [*steps, self.step(out.node, after_tiles, args)]
 
 
 def _linear_in(node: torch.fx.Node, linear: set[torch.fx.Node]) -> bool:
@@ -869,9 +894,7 @@ def match_row_region(
     states = autocast_states or _autocast_states(graph)
     matcher = None
     try:
-        matcher = _walked(graph, projection, linear, states, drop_rows)
-        outputs = matcher.collect_outputs()
-        return None if outputs is None else _build_region(matcher, outputs)
+        return _build_region(matcher := _walked(graph, projection, linear, states, drop_rows))
     except NoMatch as why:
         if matcher is None:
             raise
@@ -881,9 +904,7 @@ def match_row_region(
         # a token slice read beside all rows (DPO's NLL on the chosen half): the second pass keeps
         # every slice a selection of the tiles' rows; if that fails too, the first reason stands
         try:
-            retry = _walked(graph, projection, linear, states, drop_rows, select_rows=True)
-            outputs = retry.collect_outputs()
-            return None if outputs is None else _build_region(retry, outputs)
+            return _build_region(_walked(graph, projection, linear, states, drop_rows, select_rows=True))
         except NoMatch as second:
             log.debug("the second matching pass (row selections) stopped too: %s", second)
             raise why from None
@@ -893,8 +914,7 @@ def _walked(graph, projection, linear, states, drop_rows, select_rows=False) -> 
     """A matcher after phase 2; walked again without the partner heads it did not combine with."""
     excluded: set[torch.fx.Node] = set()
     while True:
-        matcher = RegionMatcher(graph, projection, linear, states, drop_rows)
-        matcher.select_rows, matcher.excluded = select_rows, excluded
+        matcher = RegionMatcher(graph, projection, linear, states, drop_rows, select_rows, excluded)
         matcher.walk()
         unused = matcher.unused_partners()
         if not unused:
@@ -917,24 +937,34 @@ def first_stop(
         return why
 
 
-def _build_region(matcher: RegionMatcher, outputs: list[RegionOutput]) -> RowRegion:
-    """Phases 4 and 5: the scalar loss, then the program registered and the region's record."""
-    reduction = matcher.scalar_loss(outputs)
-    reduction_nodes, reduction_steps, sink, reduce_inputs, result = reduction or ([], (), None, [], None)
-    in_loss = set(reduction_nodes)
+def _steps_text(matcher: RegionMatcher) -> list[str]:
+    """The region's form for the report: the head, then each step, a token slice where it reads."""
     steps_text = [matcher.head_form if matcher.autocast_dtype is None
                   else f"autocast({str(matcher.autocast_dtype)[6:]}) {matcher.head_form}"]  # fmt: skip
-    partner_steps = {matcher.values[p][0] - 1: p for p in matcher.partners}
-    for position, step in enumerate(matcher.steps):
-        shown = step.describe()
-        if position in partner_steps:  # another head's logits, computed in the same tiles
-            shown = f"head 2 ({as_linear(partner_steps[position])[4]}, {step.source}, no gradient)"
-        steps_text += ["slice tokens"] * matcher.slice_steps.count(position) + [shown]
+    partner_of = {matcher.values[p].value.index: p for p in matcher.partners}
+    for value in matcher.program[1:]:
+        shown = value.step.describe()
+        if value.index in partner_of:  # another head's logits, computed in the same tiles
+            shown = f"head 2 ({as_linear(partner_of[value.index])[4]}, {value.step.source}, no gradient)"
+        steps_text += ["slice tokens"] * matcher.slice_steps.count(value.index) + [shown]
     if matcher.selections:
         steps_text.append(f"row selections {', '.join(_index_text(i) for i, _ in matcher.selections)}")
+    return steps_text
+
+
+def _build_region(matcher: RegionMatcher) -> RowRegion | None:
+    """Phases 3 to 5: the outputs, the scalar loss, then the program registered and the region's
+    record; None if the region holds no head."""
+    outputs = matcher.collect_outputs()
+    if outputs is None:
+        return None
+    reduction = matcher.scalar_loss(outputs)
+    reduction_nodes, reduction_steps, sink, reduce_inputs, result = reduction or ([], (), None, [], None)
+    in_loss, steps_text = set(reduction_nodes), _steps_text(matcher)
+    steps = tuple(value.step for value in matcher.program[1:])
 
     def zeros(o):  # where the output is zero whatever the logits: tokens the tiles may skip
-        return matcher.zeros.get(o.value) if o.shape.layout is not Layout.ROWS else None
+        return matcher.program[o.value].zeros if o.shape.layout is not Layout.ROWS else None
 
     program_outputs = tuple(
         Output(o.value, o.shape.layout, val(o.node).dtype,
@@ -945,7 +975,7 @@ def _build_region(matcher: RegionMatcher, outputs: list[RegionOutput]) -> RowReg
     reduction_program = None
     if reduction is not None:
         reduction_program = ReductionProgram(tuple(reduction_steps), result, val(sink).dtype)
-    steps, vocab_size, shard = tuple(matcher.steps), int(matcher.vocab), None
+    vocab_size, shard = int(matcher.vocab), None
     if matcher.shard is not None:
         if any(o.shape.layout is Layout.ROWS for o in outputs):
             raise NoMatch("logits returned from a vocabulary-sharded head are not tiled in tensor-parallel "
@@ -968,7 +998,7 @@ def _build_region(matcher: RegionMatcher, outputs: list[RegionOutput]) -> RowReg
     return RowRegion(
         projection=matcher.projection, hidden=matcher.hidden, weight=matcher.weight, bias=matcher.bias,
         autocast_dtype=matcher.autocast_dtype,
-        nodes=[n for n in (matcher.transpose, matcher.projection) if n is not None] + matcher.nodes,
+        nodes=[*matcher.values, *(n for n in (matcher.transpose, *matcher.partners.values()) if n)],
         token_inputs=matcher.token_inputs, row_inputs=matcher.row_inputs, outputs=outputs, program=program,
         reduction_nodes=reduction_nodes, sink=sink, reduce_inputs=reduce_inputs, steps_text=steps_text,
         dropped=matcher.dropped, kept_whole=matcher.kept_whole, slices=matcher.slices,
