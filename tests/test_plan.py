@@ -74,3 +74,21 @@ def test_the_region_ops_are_registered_when_tile_pass_is_imported():
     code = "import tile_pass, torch; print(sorted(n for n in dir(torch.ops.tile_pass) if 'region' in n))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['row_region', 'row_region_backward', 'row_region_loss']", out
+
+
+def test_a_new_token_count_reuses_the_traced_tiles_of_its_tile_size(monkeypatch):
+    """The functional API in eager code: a new batch length traces at most its short last tile;
+    the full tiles' function is the one traced for the first length."""
+    from tile_pass import tiled_region
+
+    traced = []
+    real = tiled_region._trace_program_kernel
+    spy = lambda key: traced.append(key.tile) or real(key)  # noqa: E731
+    monkeypatch.setattr(tiled_region, "_trace_program_kernel", spy)
+    w = torch.randn(97, 24, requires_grad=True)
+    for n in (301, 333, 365, 301):  # full tiles of 128, then a short one padded to 64 or 128
+        h = torch.randn(n, 24, requires_grad=True)
+        y = torch.randint(0, 97, (n,))
+        tile_pass.linear_cross_entropy(h, w, y, tile_tokens=128).backward()
+    assert traced.count(128) <= 1, traced  # the 128-row tile: at most once (none if an earlier test did)
+    assert len(traced) <= 2, traced  # and the short tiles' padded sizes, each once
