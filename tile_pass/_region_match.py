@@ -937,8 +937,15 @@ def first_stop(
         return why
 
 
-def _steps_text(matcher: RegionMatcher) -> list[str]:
-    """The region's form for the report: the head, then each step, a token slice where it reads."""
+def _build_region(matcher: RegionMatcher) -> RowRegion | None:
+    """Phases 3 to 5: the outputs, the scalar loss, then the program registered and the region's
+    record; None if the region holds no head."""
+    outputs = matcher.collect_outputs()
+    if outputs is None:
+        return None
+    reduction = matcher.scalar_loss(outputs)
+    reduction_nodes, reduction_steps, sink, reduce_inputs, result = reduction or ([], (), None, [], None)
+    in_loss = set(reduction_nodes)
     steps_text = [matcher.head_form if matcher.autocast_dtype is None
                   else f"autocast({str(matcher.autocast_dtype)[6:]}) {matcher.head_form}"]  # fmt: skip
     partner_of = {matcher.values[p].value.index: p for p in matcher.partners}
@@ -949,18 +956,6 @@ def _steps_text(matcher: RegionMatcher) -> list[str]:
         steps_text += ["slice tokens"] * matcher.slice_steps.count(value.index) + [shown]
     if matcher.selections:
         steps_text.append(f"row selections {', '.join(_index_text(i) for i, _ in matcher.selections)}")
-    return steps_text
-
-
-def _build_region(matcher: RegionMatcher) -> RowRegion | None:
-    """Phases 3 to 5: the outputs, the scalar loss, then the program registered and the region's
-    record; None if the region holds no head."""
-    outputs = matcher.collect_outputs()
-    if outputs is None:
-        return None
-    reduction = matcher.scalar_loss(outputs)
-    reduction_nodes, reduction_steps, sink, reduce_inputs, result = reduction or ([], (), None, [], None)
-    in_loss, steps_text = set(reduction_nodes), _steps_text(matcher)
     steps = tuple(value.step for value in matcher.program[1:])
 
     def zeros(o):  # where the output is zero whatever the logits: tokens the tiles may skip
@@ -972,17 +967,14 @@ def _build_region(matcher: RegionMatcher) -> RowRegion | None:
                only_loss=o.node is sink or bool(in_loss) and all(u in in_loss for u in o.node.users))
         for o in outputs
     )  # fmt: skip
-    reduction_program = None
-    if reduction is not None:
-        reduction_program = ReductionProgram(tuple(reduction_steps), result, val(sink).dtype)
+    finish = ReductionProgram(tuple(reduction_steps), result, val(sink).dtype) if reduction else None
     vocab_size, shard = int(matcher.vocab), None
     if matcher.shard is not None:
         if any(o.shape.layout is Layout.ROWS for o in outputs):
             raise NoMatch("logits returned from a vocabulary-sharded head are not tiled in tensor-parallel "
                           "form yet")  # fmt: skip
         steps = tuple(_shard_program_steps(matcher))
-        vocab_size = matcher.shard[2]
-        shard = (matcher.shard[0], matcher.shard[1], int(matcher.vocab))
+        vocab_size, shard = matcher.shard[2], (*matcher.shard[:2], int(matcher.vocab))
 
     def token_layout(part: tuple) -> Layout:  # (a partner head's hidden size may be symbolic: no hashing)
         if not part:
@@ -993,7 +985,7 @@ def _build_region(matcher: RegionMatcher) -> RowRegion | None:
         steps=steps, outputs=program_outputs, vocab_size=vocab_size, shard=shard,
         token_layouts=tuple(token_layout(t.part) for t in matcher.token_inputs),
         has_bias=matcher.bias is not None,
-        index_checks=tuple(matcher.index_checks), reduction=reduction_program, form=" -> ".join(steps_text),
+        index_checks=tuple(matcher.index_checks), reduction=finish, form=" -> ".join(steps_text),
     ))  # fmt: skip
     return RowRegion(
         projection=matcher.projection, hidden=matcher.hidden, weight=matcher.weight, bias=matcher.bias,
