@@ -8,7 +8,7 @@ as many outputs as the user's code takes from it. The matcher runs in phases:
 2. **the row-wise subgraph** (:meth:`RegionMatcher.walk`): every node that depends on the logits
    is classified, in graph order, by the rule registered for its op (:mod:`tile_pass._rules`); a
    node joins the region when its rule proves it row-wise and every logits-dependent operand is
-   already in the region;
+   already in the region, and leaves one :class:`RegionValue` of all that was proved about it;
 3. **the outputs** (:meth:`RegionMatcher.collect_outputs`): region values read outside it.
    Per-token values (losses, log-probs, log-sum-exps, ``argmax``) leave the tiles flat; a token
    reduction folded into an op (a mean cross entropy) is finished after them; rows (``[N, V]``)
