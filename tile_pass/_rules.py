@@ -252,77 +252,33 @@ _ELEMENTWISE_FACTS = {"sharded": None, "head_sign": False, "selects": None, "fol
                       "shown": AS_KEY, "shows_numbers": True}  # fmt: skip
 
 
-@register_ops(
-    "log", "sigmoid", "rsqrt", "log1p", "expm1", "clamp_min", "clamp_max", "exp2", "nan_to_num",
-    "logical_not", "isnan", "isfinite", "isinf", "reciprocal", "softplus", "logsigmoid", "eq", "ne", "lt",
-    "le", "gt", "ge", "maximum", "minimum", "logical_and", "logical_or", "xlogy", "lerp", "rdiv", "and_",
-    "or_", kind=_ELEMENTWISE, zeros=None, linear=Linear.NONE, inplace=False, aliases=False, dtype_cast=False,
-    bias_add=False, **_ELEMENTWISE_FACTS
+#: the elementwise ops, a row per set of facts: (keys, where the result is zero, what it is linear in,
+#: replayed out of place when written in place, aliases its input, a dtype cast, a bias add); each row
+#: states every fact that varies, :data:`_ELEMENTWISE_FACTS` the ones they all share
+_ELEMENTWISE_OPS = (
+    (("log", "sigmoid", "rsqrt", "log1p", "expm1", "clamp_min", "clamp_max", "exp2", "nan_to_num",
+      "logical_not", "isnan", "isfinite", "isinf", "reciprocal", "softplus", "logsigmoid", "eq", "ne", "lt",
+      "le", "gt", "ge", "maximum", "minimum", "logical_and", "logical_or", "xlogy", "lerp", "rdiv", "and_",
+      "or_"), None, Linear.NONE, False, False, False, False),
+    (("exp", "clamp", "clip"), None, Linear.NONE, True, False, False, False),
+    (("abs", "sqrt", "square", "relu", "sign"), _keeps_zeros, Linear.NONE, False, False, False, False),
+    (("tanh",), _keeps_zeros, Linear.NONE, True, False, False, False),
+    (("neg",), _keeps_zeros, Linear.FIRST, True, False, False, False),
+    (("detach", "half", "bfloat16"), _keeps_zeros, Linear.NONE, False, True, False, False),
+    (("float", "double"), _keeps_zeros, Linear.FIRST, False, True, False, False),
+    (("to", "type"), _keeps_zeros, Linear.CAST, False, True, True, False),
+    (("add",), _sum, Linear.TERMS, True, False, False, True),
+    (("sub",), _sum, Linear.TERMS, True, False, False, False),
+    (("rsub",), _sum, Linear.TERMS, False, False, False, False),
+    (("mul",), _product, Linear.FACTOR, True, False, False, False),
+    (("div",), _divide, Linear.DIVIDEND, True, False, False, False),
+    (("pow",), _power, Linear.NONE, True, False, False, False),
+    (("where",), _where, Linear.NONE, False, False, False, False),
+    (("masked_fill",), _masked_fill, Linear.NONE, True, False, False, False),
+    (("xlog1py",), _first_factor, Linear.FIRST, False, False, False, False),
 )  # fmt: skip
-@register_ops(
-    "exp", "clamp", "clip", kind=_ELEMENTWISE, zeros=None, linear=Linear.NONE, inplace=True, aliases=False,
-    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "abs", "sqrt", "square", "relu", "sign", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.NONE,
-    inplace=False, aliases=False, dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "tanh", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.NONE, inplace=True, aliases=False,
-    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "neg", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.FIRST, inplace=True, aliases=False,
-    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "detach", "half", "bfloat16", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.NONE, inplace=False,
-    aliases=True, dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "float", "double", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.FIRST, inplace=False,
-    aliases=True, dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "to", "type", kind=_ELEMENTWISE, zeros=_keeps_zeros, linear=Linear.CAST, inplace=False, aliases=True,
-    dtype_cast=True, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "add", kind=_ELEMENTWISE, zeros=_sum, linear=Linear.TERMS, inplace=True, aliases=False, dtype_cast=False,
-    bias_add=True, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "sub", kind=_ELEMENTWISE, zeros=_sum, linear=Linear.TERMS, inplace=True, aliases=False, dtype_cast=False,
-    bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "rsub", kind=_ELEMENTWISE, zeros=_sum, linear=Linear.TERMS, inplace=False, aliases=False,
-    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "mul", kind=_ELEMENTWISE, zeros=_product, linear=Linear.FACTOR, inplace=True, aliases=False,
-    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "div", kind=_ELEMENTWISE, zeros=_divide, linear=Linear.DIVIDEND, inplace=True, aliases=False,
-    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "pow", kind=_ELEMENTWISE, zeros=_power, linear=Linear.NONE, inplace=True, aliases=False,
-    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "where", kind=_ELEMENTWISE, zeros=_where, linear=Linear.NONE, inplace=False, aliases=False,
-    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "masked_fill", kind=_ELEMENTWISE, zeros=_masked_fill, linear=Linear.NONE, inplace=True, aliases=False,
-    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
-@register_ops(
-    "xlog1py", kind=_ELEMENTWISE, zeros=_first_factor, linear=Linear.FIRST, inplace=False, aliases=False,
-    dtype_cast=False, bias_add=False, **_ELEMENTWISE_FACTS
-)  # fmt: skip
+
+
 def _elementwise(matcher, node: torch.fx.Node, target=None) -> list[Classified]:
     out = val(node)
     if not isinstance(out, torch.Tensor):
@@ -350,6 +306,11 @@ def _elementwise(matcher, node: torch.fx.Node, target=None) -> list[Classified]:
     args = [matcher.operand(a, shape, node) for a in node.args]
     kwargs = [(k, matcher.operand(v, shape, node)) for k, v in node.kwargs.items()]
     return [Classified(matcher.step(node, target or node.target, args, kwargs, node.op), shape)]
+
+
+for _keys, _zeros, _linear, _inplace, _aliases, _cast, _bias_add in _ELEMENTWISE_OPS:
+    register_ops(*_keys, kind=_ELEMENTWISE, zeros=_zeros, linear=_linear, inplace=_inplace, aliases=_aliases,
+                 dtype_cast=_cast, bias_add=_bias_add, **_ELEMENTWISE_FACTS)(_elementwise)  # fmt: skip
 
 
 def _inplace(matcher, node: torch.fx.Node) -> list[Classified]:
@@ -459,26 +420,6 @@ _REDUCES_ROWS = {"inplace": False, "aliases": False, "selects": None, "bias_add"
                "shown": AS_KEY, "shows_numbers": False}  # fmt: skip
 
 
-@register_ops(
-    "sum", kind=RuleKind.VOCAB_REDUCTION, zeros=_keeps_zeros, linear=Linear.FIRST, sharded="shard_sum",
-    folds=Fold.NEGATIVE_DIMS, head_sign=False, **_REDUCES_ROWS
-)  # fmt: skip
-@register_ops(
-    "mean", kind=RuleKind.VOCAB_REDUCTION, zeros=None, linear=Linear.FIRST, sharded="shard_mean",
-    folds=Fold.NEGATIVE_DIMS, head_sign=False, **_REDUCES_ROWS
-)  # fmt: skip
-@register_ops(
-    "logsumexp", kind=RuleKind.VOCAB_REDUCTION, zeros=None, linear=Linear.NONE, sharded="shard_logsumexp",
-    folds=Fold.NEGATIVE_DIMS, head_sign=True, **_REDUCES_ROWS
-)  # fmt: skip
-@register_ops(
-    "amax", "amin", kind=RuleKind.VOCAB_REDUCTION, zeros=None, linear=Linear.NONE, sharded=None,
-    folds=Fold.NEGATIVE_DIMS, head_sign=False, **_REDUCES_ROWS
-)  # fmt: skip
-@register_ops(
-    "argmax", "argmin", "max", "min", kind=RuleKind.VOCAB_REDUCTION, zeros=None, linear=Linear.NONE,
-    sharded=None, folds=Fold.NEVER, head_sign=False, **_REDUCES_ROWS
-)  # fmt: skip
 def _vocab_reduction(matcher, node: torch.fx.Node) -> list[Classified]:
     source, shape = _rows_operand(matcher, node)
     name = spelling(node.target).key
@@ -504,14 +445,6 @@ def _vocab_reduction(matcher, node: torch.fx.Node) -> list[Classified]:
     return [Classified(matcher.step(node, name, (source, -1, keepdim), kwargs, op="call_method"), result)]
 
 
-@register_ops(
-    "softmax", kind=RuleKind.NORMALIZE, zeros=None, linear=Linear.NONE, sharded="shard_softmax",
-    folds=Fold.NEGATIVE_DIMS, head_sign=False, **_REDUCES_ROWS
-)  # fmt: skip
-@register_ops(
-    "log_softmax", kind=RuleKind.NORMALIZE, zeros=None, linear=Linear.NONE, sharded="shard_log_softmax",
-    folds=Fold.NEGATIVE_DIMS, head_sign=True, **_REDUCES_ROWS
-)  # fmt: skip
 def _normalize(matcher, node: torch.fx.Node) -> list[Classified]:
     source, shape = _rows_operand(matcher, node)
     options = bind(_NORMALIZE_SIGNATURE, node)
@@ -520,6 +453,25 @@ def _normalize(matcher, node: torch.fx.Node) -> list[Classified]:
     kwargs = (("dtype", options["dtype"]),) if options["dtype"] is not None else ()
     target = getattr(F, spelling(node.target).key)  # F.softmax, F.log_softmax
     return [Classified(matcher.step(node, target, (source, -1), kwargs), shape)]
+
+
+#: the ops over each row's vocabulary, a row per set of facts: (keys, rule, where the result is zero,
+#: what it is linear in, its vocabulary-sharded step, how a per-row loop of it folds, whether it signs an
+#: LM head); :data:`_REDUCES_ROWS` holds the facts they all share
+_NEG = Fold.NEGATIVE_DIMS
+_OVER_THE_ROW = (
+    (("sum",), _vocab_reduction, _keeps_zeros, Linear.FIRST, "shard_sum", _NEG, False),
+    (("mean",), _vocab_reduction, None, Linear.FIRST, "shard_mean", _NEG, False),
+    (("logsumexp",), _vocab_reduction, None, Linear.NONE, "shard_logsumexp", _NEG, True),
+    (("amax", "amin"), _vocab_reduction, None, Linear.NONE, None, _NEG, False),
+    (("argmax", "argmin", "max", "min"), _vocab_reduction, None, Linear.NONE, None, Fold.NEVER, False),
+    (("softmax",), _normalize, None, Linear.NONE, "shard_softmax", _NEG, False),
+    (("log_softmax",), _normalize, None, Linear.NONE, "shard_log_softmax", _NEG, True),
+)  # fmt: skip
+for _keys, _rule, _zeros, _linear, _sharded, _folds, _head_sign in _OVER_THE_ROW:
+    _kind = RuleKind.VOCAB_REDUCTION if _rule is _vocab_reduction else RuleKind.NORMALIZE
+    register_ops(*_keys, kind=_kind, zeros=_zeros, linear=_linear, sharded=_sharded, folds=_folds,
+                 head_sign=_head_sign, **_REDUCES_ROWS)(_rule)  # fmt: skip
 
 
 @register_ops(
