@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tile_pass import _tile_buffers
+from tile_pass.tiles import _tile_buffers
 
 MIB = 1 << 20
 

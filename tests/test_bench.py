@@ -257,7 +257,8 @@ def test_only_the_forms_own_rows_run_dpo_and_distill():
 
 def test_host_overhead_rows_time_both_backends_per_tile_count(capsys):
     """``--host-overhead``: one row per tile count, both medians measured, and the slope printed."""
-    from tile_pass import _bench_host, _plan
+    from tile_pass import _bench_host
+    from tile_pass.plan import _plan
 
     with _plan.recorded() as plans:
         rows = _bench_host.measure(tiles=(1, 2), steps=3, warmup=1)

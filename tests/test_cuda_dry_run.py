@@ -195,16 +195,9 @@ def _modules():
 
     import tile_pass
 
-    names = (
-        "_tile_kernel",
-        "_tile_passes",
-        "_tiling",
-        "_weight_grad",
-        "_split_sum_cpu",
-        "tiled_region",
-        "_plan",
-    )
-    return tile_pass, {name: importlib.import_module(f"tile_pass.{name}") for name in names}
+    names = ("tiles._tile_kernel", "_tile_passes", "plan._tiling", "plan._weight_grad",
+             "tiles._split_sum_cpu", "tiles.tiled_region", "plan._plan")  # fmt: skip
+    return tile_pass, {name.split(".")[-1]: importlib.import_module(f"tile_pass.{name}") for name in names}
 
 
 def _need(args) -> list[bool]:
@@ -215,8 +208,8 @@ def _need(args) -> list[bool]:
 
 
 def _call(node):
-    """The :class:`tile_pass._plan.RegionCall` a rewritten graph's ``run_region`` node carries."""
-    from tile_pass._plan import RegionCall
+    """The :class:`tile_pass.plan._plan.RegionCall` a rewritten graph's ``run_region`` node carries."""
+    from tile_pass.plan._plan import RegionCall
 
     return RegionCall.parse(node.kwargs["call"])
 
@@ -636,8 +629,9 @@ def _check_tile_kernel(dtype, schedule, variant, compiled):
     _quiet()
     _, m = _modules()
     region_op = m["tiled_region"]
-    from tile_pass import _region, _tile_buffers
     from tile_pass._tile_passes import compiled_middle, onednn_gemms, split_accumulation
+    from tile_pass.program import _region
+    from tile_pass.tiles import _tile_buffers
 
     T, H, V = 96, 64, 1000
     bias = variant == "bias+logits"
@@ -712,7 +706,7 @@ def _check_program_kernel(dtype, compiled):
     _quiet()
     _, m = _modules()
     region_op = m["tiled_region"]
-    from tile_pass import _region
+    from tile_pass.program import _region
 
     program = _region.lookup(_capture_z_loss_program(dtype))
     T, H = 64, 32

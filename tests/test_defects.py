@@ -24,10 +24,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tile_pass
-from tile_pass import _plan, _textbook, _tiling
-from tile_pass._plan import RegionCall
-from tile_pass._tiling import TileSize
-from tile_pass.tiled_region import _row_region, _row_region_backward, _row_region_loss
+from tile_pass import _textbook
+from tile_pass.plan import _plan, _tiling
+from tile_pass.plan._plan import RegionCall
+from tile_pass.plan._tiling import TileSize
+from tile_pass.tiles.tiled_region import _row_region, _row_region_backward, _row_region_loss
 
 # ------------------------------------------------------------------ 1. double backward
 
@@ -188,7 +189,7 @@ def test_fake_implementations_agree_with_the_real_ops(layout, need):
 
 def _program_of(options) -> str:
     """The program key the rewritten textbook graph of ``options`` calls its region with."""
-    from tile_pass.tiled_region import run_region
+    from tile_pass.tiles.tiled_region import run_region
 
     graph = _textbook._build(options).graph
     return RegionCall.parse(next(n for n in graph.nodes if n.target is run_region).kwargs["call"]).program

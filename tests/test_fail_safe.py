@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import tile_pass
-from tile_pass import _region_match, _settings, _splice, rewrite
+from tile_pass import _settings, rewrite
+from tile_pass.match import _region_match
+from tile_pass.splice import _splice
 
 N, H, V = 12, 8, 40
 

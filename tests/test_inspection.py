@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from models import V
 
 import tile_pass
-from tile_pass.tiled_region import _loss_setup_context, _loss_vjp, _row_region_loss
+from tile_pass.tiles.tiled_region import _loss_setup_context, _loss_vjp, _row_region_loss
 
 
 def _inputs(seed=0):
@@ -417,7 +417,7 @@ def test_report_says_which_tokens_the_tiles_skip_or_why_none(fn, expected):
 def test_the_report_gives_the_plan_the_tiles_ran(tokens, dtype, autocast, tile_tokens):
     """``explain`` plans from the sizes and the loop from the batch, with one planner: for a
     batch whose every token counts they must agree on the tile, the tiles and the sum."""
-    from tile_pass import _plan
+    from tile_pass.plan import _plan
     from tile_pass.rewrite import _weight_grad_sum
 
     g = torch.Generator().manual_seed(0)

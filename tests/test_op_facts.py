@@ -1,4 +1,4 @@
-"""Every fact about one op in one place (``tile_pass._op_facts``), on one key per op.
+"""Every fact about one op in one place (``tile_pass.match._op_facts``), on one key per op.
 
 An op added with one registration next to its rule (``torch.special.xlog1py``: a zero rule,
 a linearity fact, a report name) is tiled and exact against float64 eager; a registration
@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from conftest import assert_close_to_oracle, leaves, value_and_grads
 
 import tile_pass
-from tile_pass import _op_facts, _region
-from tile_pass._op_facts import AS_KEY, FACT_NAMES, FACTS, Fold, Linear, RuleKind
+from tile_pass.match import _op_facts
+from tile_pass.match._op_facts import AS_KEY, FACT_NAMES, FACTS, Fold, Linear, RuleKind
+from tile_pass.program import _region
 
 N, H, V, TILE = 40, 16, 53, 8
 
@@ -46,7 +47,7 @@ def _inputs():
 
 @pytest.mark.parametrize("fn", [unlikelihood, log_weighted_ce])
 def test_a_new_op_registered_once_is_tiled_and_exact(fn):
-    """``xlog1py`` is one registration in ``tile_pass/_rules.py``: in the region (its zero rule
+    """``xlog1py`` is one registration in ``tile_pass/match/_rules.py``: in the region (its zero rule
     makes a masked token skippable) and in the scalar loss after it (its linearity joins it to
     the op); the report names it; loss and gradients are float64 eager's over several tiles."""
     h, w, y, negative, mask = _inputs()

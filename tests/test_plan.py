@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import tile_pass
-from tile_pass import _plan
-from tile_pass._plan import RegionCall, plan_tiles
-from tile_pass._tiling import TileSize
-from tile_pass._weight_grad import WeightGradSchedule
+from tile_pass.plan import _plan
+from tile_pass.plan._plan import RegionCall, plan_tiles
+from tile_pass.plan._tiling import TileSize
+from tile_pass.plan._weight_grad import WeightGradSchedule
 
 
 @pytest.mark.parametrize("tile", [TileSize(256, True), TileSize(7), TileSize(65536, False)])
@@ -63,7 +63,7 @@ def test_report_and_loop_agree_without_a_module_global():
     (rewrite,) = backend.report().rewrites
     (ran,) = plans
     assert (rewrite.tile_tokens, rewrite.num_tiles) == (ran.tile, ran.num_tiles) == (128, 3)
-    assert not hasattr(tile_pass._tiling, "last_tiles")
+    assert not hasattr(tile_pass.plan._tiling, "last_tiles")
 
 
 def test_the_region_ops_are_registered_when_tile_pass_is_imported():
@@ -79,7 +79,7 @@ def test_the_region_ops_are_registered_when_tile_pass_is_imported():
 def test_a_new_token_count_reuses_the_traced_tiles_of_its_tile_size(monkeypatch):
     """The functional API in eager code: a new batch length traces at most its short last tile;
     the full tiles' function is the one traced for the first length."""
-    from tile_pass import tiled_region
+    from tile_pass.tiles import tiled_region
 
     traced = []
     real = tiled_region._trace_program_kernel

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tile_pass import _region_match
-from tile_pass._fx import NoMatch, as_linear
-from tile_pass._region import Layout
-from tile_pass._region_match import ProgramValue, RegionValue
-from tile_pass._rules import AfterTiles, RuleKind, Shape, TokenReduction
+from tile_pass.match import _region_match
+from tile_pass.match._fx import NoMatch, as_linear
+from tile_pass.match._region_match import ProgramValue, RegionValue
+from tile_pass.match._rules import AfterTiles, RuleKind, Shape, TokenReduction
+from tile_pass.program._region import Layout
 
 
 def _dynamo_graph(fn, *args) -> torch.fx.Graph:

@@ -3,7 +3,7 @@
 A token is left out of the tiles where every output the caller needs is zero whatever its
 logits (a cross entropy's ignored label, a product with a zero mask, ``where(mask, x, 0)``)
 or reaches the scalar loss with a zero token weight (a mask applied in the reduction). The
-plan the tiles ran (``tile_pass._plan.recorded()``: rows, tile, schedule per loop) shows
+plan the tiles ran (``tile_pass.plan._plan.recorded()``: rows, tile, schedule per loop) shows
 it; the loss and gradients stay float64 eager's, with a fully masked tile and uneven counts.
 """
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import assert_close_to_oracle, leaves
 
 import tile_pass
-from tile_pass import _plan
+from tile_pass.plan import _plan
 
 N, H, V, TILE = 40, 16, 53, 8
 
@@ -128,7 +128,7 @@ def test_an_ignored_label_skips_even_a_non_finite_token():
 
 def test_zero_expressions_combine_their_parts_flags_and_exactness():
     """A product is zero where any factor is, a sum where every term is; exact only where every part is."""
-    from tile_pass._region import ZeroAll, ZeroAny, ZeroIf, ZeroKind, _canonical
+    from tile_pass.program._region import ZeroAll, ZeroAny, ZeroIf, ZeroKind, _canonical
 
     labels, mask = torch.tensor([-100, 3, -100, 5]), torch.tensor([[1.0], [0.0], [0.0], [1.0]])
     ignored = ZeroIf(0, ZeroKind.EQUALS, -100)
@@ -155,8 +155,9 @@ def test_zero_expressions_combine_their_parts_flags_and_exactness():
 
 def test_zero_rules_are_for_ops_the_matcher_replays():
     """A zero rule is a fact of an op that has a row-wise rule, registered once."""
-    from tile_pass import _op_facts, _region
-    from tile_pass._region import Ref, RefKind, Step, ZeroAny, ZeroIf, ZeroKind
+    from tile_pass.match import _op_facts
+    from tile_pass.program import _region
+    from tile_pass.program._region import Ref, RefKind, Step, ZeroAny, ZeroIf, ZeroKind
 
     zeroed = {key for key, facts in _op_facts.FACTS.items() if facts.zeros is not None}
     assert all(_op_facts.FACTS[key].kind is not None for key in zeroed), zeroed

@@ -244,7 +244,8 @@ def test_bfloat16_model_no_worse_than_eager_and_split_sum_is_the_float32_sum(fn,
     (gradient formed in forward; re-derived in backward), and within eager's error."""
     import dataclasses
 
-    from tile_pass import _plan, _settings
+    from tile_pass import _settings
+    from tile_pass.plan import _plan
 
     args = _inputs("cpu", dtype=torch.bfloat16)
     backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
@@ -367,7 +368,7 @@ def test_two_heads_in_one_graph_and_dynamic_lengths():
 def test_no_match_formats_lazily_and_names_its_node():
     import torch.fx
 
-    from tile_pass._fx import NoMatch, describe
+    from tile_pass.match._fx import NoMatch, describe
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -380,8 +381,8 @@ def test_no_match_formats_lazily_and_names_its_node():
 
 
 def test_enums_have_a_process_independent_canonical_form():
-    from tile_pass import _region
-    from tile_pass._region import Layout, Ref, RefKind, ZeroIf, ZeroKind
+    from tile_pass.program import _region
+    from tile_pass.program._region import Layout, Ref, RefKind, ZeroIf, ZeroKind
 
     assert _region._canonical(Layout.ROWS) == "Layout.ROWS" and Layout.ROWS == "rows"
     assert _region._canonical(Ref(RefKind.TOKEN, 2)) == "Ref(RefKind.TOKEN,2)"
@@ -390,8 +391,8 @@ def test_enums_have_a_process_independent_canonical_form():
 
 
 def test_every_rule_is_registered_once_per_op():
-    from tile_pass import _op_facts
-    from tile_pass._rules import RuleKind
+    from tile_pass.match import _op_facts
+    from tile_pass.match._rules import RuleKind
 
     assert _op_facts.facts_for(torch.gather).kind is RuleKind.GATHER
     assert _op_facts.facts_for(F.kl_div).kind is RuleKind.LOSS

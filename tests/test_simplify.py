@@ -11,8 +11,10 @@ import torch.nn.functional as F
 from tile_kernels import V, call, ce_key, make_inputs, program_of, replace
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tile_pass import _simplify, _tile_kernel, _tiling
+from tile_pass import _simplify
 from tile_pass._tile_passes import compiled_middle
+from tile_pass.plan import _tiling
+from tile_pass.tiles import _tile_kernel
 
 aten = torch.ops.aten
 #: Whether compiled middles store the logits gradient over the logits, where the label column is

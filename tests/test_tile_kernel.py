@@ -14,10 +14,11 @@ from conftest import assert_no_worse_than_eager
 from tile_kernels import CASES, V, kernel, key_for
 
 import tile_pass
-from tile_pass import _settings, _tile_buffers, _tile_kernel
+from tile_pass import _settings
 from tile_pass._settings import CPU_GEMM_ENV
-from tile_pass._tile_kernel import TileKernelKey
 from tile_pass._tile_passes.onednn_gemms import onednn_gemms_apply
+from tile_pass.tiles import _tile_buffers, _tile_kernel
+from tile_pass.tiles._tile_kernel import TileKernelKey
 
 H = 16
 
@@ -82,7 +83,8 @@ def test_a_shorter_tile_takes_a_prefix_of_the_shared_buffer():
 def test_short_last_tile_runs_the_next_power_of_two_kernel():
     """84 tokens in tiles of 64: one 64-token tile, then 20 tokens in a 32-token kernel
     (not padded to 64), and the result is still the eager loss."""
-    from tile_pass import _tile_kernel, linear_cross_entropy
+    from tile_pass import linear_cross_entropy
+    from tile_pass.tiles import _tile_kernel
 
     hidden = torch.randn(84, 8, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 8, dtype=torch.float64, requires_grad=True)

@@ -22,7 +22,7 @@ from tile_kernels import (
 )
 
 import tile_pass
-from tile_pass import _tile_buffers, _tile_kernel, _tile_passes, _tiling
+from tile_pass import _tile_passes
 from tile_pass._tile_passes import (
     accumulate_in_place,
     compiled_middle,
@@ -37,7 +37,9 @@ from tile_pass._tile_passes.compiled_middle import Compiled
 from tile_pass._tile_passes.onednn_gemms import _onednn_mm, onednn_gemms_apply
 from tile_pass._tile_passes.split_accumulation import _BlockedSplitAccumulate
 from tile_pass._tile_passes.upcast_accumulation import _BlockedUpcastAccumulate
-from tile_pass._weight_grad import WeightGradSchedule
+from tile_pass.plan import _tiling
+from tile_pass.plan._weight_grad import WeightGradSchedule
+from tile_pass.tiles import _tile_buffers, _tile_kernel
 
 H = 16
 aten = torch.ops.aten

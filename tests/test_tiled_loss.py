@@ -272,7 +272,7 @@ def test_compiled_tiles_match_oracle(device, reduction):
 def test_ignored_tokens_are_skipped_on_cpu(monkeypatch, reduction):
     """On CPU the tiles run only the labelled tokens (no device sync to find them): 24 of 64
     labelled in tiles of 16 is 2 tile calls, not 4, and loss and gradients stay eager's."""
-    from tile_pass import tiled_region
+    from tile_pass.tiles import tiled_region
 
     rows_run = []
     original = tiled_region._program_kernel

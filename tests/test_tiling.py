@@ -6,8 +6,14 @@ import pytest
 import torch
 from conftest import DEVICES
 
-from tile_pass import _tiling
-from tile_pass._tiling import TileSize, choose_tile_tokens, effective_tile, padded_rows, tile_bytes_per_token
+from tile_pass.plan import _tiling
+from tile_pass.plan._tiling import (
+    TileSize,
+    choose_tile_tokens,
+    effective_tile,
+    padded_rows,
+    tile_bytes_per_token,
+)
 
 
 def test_byte_model_counts_the_documented_buffers():

@@ -10,10 +10,12 @@ import torch
 from conftest import DEVICES, assert_no_worse_than_eager
 
 import tile_pass
-from tile_pass import _settings, _split_sum_cpu, _weight_grad
+from tile_pass import _settings
 from tile_pass._tile_passes import split_accumulation
-from tile_pass._tiling import TileSize
-from tile_pass._weight_grad import WeightGradSchedule
+from tile_pass.plan import _weight_grad
+from tile_pass.plan._tiling import TileSize
+from tile_pass.plan._weight_grad import WeightGradSchedule
+from tile_pass.tiles import _split_sum_cpu
 
 
 @pytest.fixture
@@ -211,7 +213,7 @@ def test_plan_runs_small_half_precision_batches_as_one_tile(num_tokens, tile, la
 def test_direct_schedule_is_within_eagers_error(device, monkeypatch):
     """A small batch runs as one tile whose own GEMM rounds the weight gradient once."""
     keys = []
-    from tile_pass import tiled_region
+    from tile_pass.tiles import tiled_region
 
     real = tiled_region._program_kernel
     monkeypatch.setattr(tiled_region, "_program_kernel", lambda key: keys.append(key) or real(key))

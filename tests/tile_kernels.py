@@ -2,7 +2,7 @@
 function's passes: the region's code is traced (``torch.fx.symbolic_trace``), given fake
 example values as Dynamo gives them, and matched by the one matcher into a program; the key
 names the tile size, dtypes and post-trace passes, and the kernel is the traced, finished tile
-function of :mod:`tile_pass.tiled_region`."""
+function of :mod:`tile_pass.tiles.tiled_region`."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tile_pass import _region
-from tile_pass._region_match import match_row_region
 from tile_pass._textbook import _ExampleValues
-from tile_pass._tile_kernel import TileInputs, TileKernelKey
-from tile_pass._weight_grad import WeightGradSchedule
-from tile_pass.tiled_region import _program_kernel
+from tile_pass.match._region_match import match_row_region
+from tile_pass.plan._weight_grad import WeightGradSchedule
+from tile_pass.program import _region
+from tile_pass.tiles._tile_kernel import TileInputs, TileKernelKey
+from tile_pass.tiles.tiled_region import _program_kernel
 
 T, H, V = 32, 16, 96
 CPU = torch.device("cpu")

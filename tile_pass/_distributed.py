@@ -1,8 +1,8 @@
 """Everything distributed: a vocabulary-sharded (tensor-parallel) LM head's region.
 
 Each rank of the tensor-parallel group holds rows ``[start, start + V_r)`` of the head and
-runs the region's row-wise program (``tile_pass._region``) on its own ``[tile, V_r]``
-logits, one tile of tokens at a time, in the one tile loop (``tile_pass.tiled_region``).
+runs the region's row-wise program (``tile_pass.program._region``) on its own ``[tile, V_r]``
+logits, one tile of tokens at a time, in the one tile loop (``tile_pass.tiles.tiled_region``).
 Elementwise steps are local; each step that reduces, normalises or indexes over the
 vocabulary is replaced by its group-wide form here (``shard_step``), built from two
 collectives of ``[tile]`` values: a max that is only a shift, and :func:`_group_sum`. No
@@ -32,7 +32,7 @@ import operator
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from tile_pass._op_facts import facts_for
+from tile_pass.match._op_facts import facts_for
 
 #: ``node.meta`` key of a graph's LM-head weight holding ``(process group name, this rank's
 #: first row, its rows)``: the matcher builds the sharded program of that head. The weight's

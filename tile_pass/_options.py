@@ -33,7 +33,7 @@ class TileOptions:
     """
 
     #: tokens per tile, fixed; ``None``: the largest tile the ``tile_bytes`` budget holds (see
-    #: :mod:`tile_pass._tiling`)
+    #: :mod:`tile_pass.plan._tiling`)
     tile_tokens: int | None = None
     #: the byte budget of one tile's logits-sized buffers; ``None``: the default budget, from the
     #: device's free memory

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tile_pass import _bench_forms, _bench_host, _plan
+from tile_pass import _bench_forms, _bench_host
 from tile_pass._measure import (
     LOSS_FORMS,
     MiB,
@@ -58,6 +58,7 @@ from tile_pass._measure import (
     training_step,
 )
 from tile_pass._tile_passes.onednn_gemms import _onednn_mm, onednn_gemms_apply
+from tile_pass.plan import _plan
 
 #: Every implementation the benchmark knows. CPU-only runs use :func:`default_impls`.
 IMPLS = ("eager", "inductor", "autochunker", "torch_chunked", "cce", "chunked", "tile_pass", "liger",
@@ -295,7 +296,7 @@ def _graph_count() -> int:
 def _tile_traces() -> int:
     """Tile functions traced so far by tile_pass (a private cache; 0 if it moved)."""
     try:
-        from tile_pass import _tile_kernel
+        from tile_pass.tiles import _tile_kernel
 
         return len(_tile_kernel._cache)
     except (ImportError, AttributeError):

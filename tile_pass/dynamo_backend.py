@@ -12,14 +12,14 @@ from typing import Any
 import torch
 import torch.fx
 
-from tile_pass import _dump
-from tile_pass._higher_order import guard_outputs, outputs_guarded, region_outputs
 from tile_pass._logging import log
 from tile_pass._options import TileOptions, tile_options
-from tile_pass._oracle import validating_call
-from tile_pass._returned_logits import rebuild_outputs
+from tile_pass.inspection import _dump
+from tile_pass.inspection._oracle import validating_call
 from tile_pass.report import GraphReport, Report, graph_break_hint
 from tile_pass.rewrite import GRAPH_BREAK, internal_error, is_region_node, rewrite_graph
+from tile_pass.splice._returned_logits import rebuild_outputs
+from tile_pass.tiles._higher_order import guard_outputs, outputs_guarded, region_outputs
 
 CompilerFn = Callable[[torch.fx.GraphModule, Sequence[Any]], Callable]
 _INNER_NAMES = ("inductor", "aot_eager", "eager")

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from tile_pass import _textbook
-from tile_pass._fx import autocast_dtype
 from tile_pass._options import TileOptions, tile_options
+from tile_pass.match._fx import autocast_dtype
 
 _REDUCTIONS = ("mean", "sum", "none")
 _HALF = (torch.float16, torch.bfloat16)

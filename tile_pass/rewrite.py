@@ -2,7 +2,7 @@
 
 The graph is Dynamo's torch-level FX graph; every node carries ``meta["example_value"]``
 (a fake tensor, possibly with symbolic sizes), which is how a match is proven exact. Each
-LM-head projection is handed to the region matcher (:mod:`tile_pass._region_match`), which
+LM-head projection is handed to the region matcher (:mod:`tile_pass.match._region_match`), which
 builds the row-wise program of everything that reads its logits: the textbook
 ``F.cross_entropy`` is one such program among z-losses, entropies, log-probs and KL terms.
 A loss that no region took is reported with the first op between it and its LM head that
@@ -22,19 +22,21 @@ try:  # torch >= 2.13
 except ImportError:  # torch 2.11/2.12: the same unguarded hint, under its older name
     from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
-from tile_pass import _region_match, _rules, _splice, _weight_grad
-from tile_pass._fold_loops import fold_row_loops
-from tile_pass._fx import NoMatch, as_linear, describe, val
 from tile_pass._logging import log
 from tile_pass._options import TileOptions
-from tile_pass._plan import RegionCall, plan_tiles
-from tile_pass._region import Layout
-from tile_pass._returned_logits import ReturnedLogits
-from tile_pass._rules import LOSS_SIGNATURES, bind
-from tile_pass._tiling import TileSize, choose_tile_tokens
-from tile_pass._weight_grad import WeightGradSchedule
+from tile_pass.match import _region_match, _rules
+from tile_pass.match._fold_loops import fold_row_loops
+from tile_pass.match._fx import NoMatch, as_linear, describe, val
+from tile_pass.match._rules import LOSS_SIGNATURES, bind
+from tile_pass.plan import _weight_grad
+from tile_pass.plan._plan import RegionCall, plan_tiles
+from tile_pass.plan._tiling import TileSize, choose_tile_tokens
+from tile_pass.plan._weight_grad import WeightGradSchedule
+from tile_pass.program._region import Layout
 from tile_pass.report import GraphReport, Rewrite, Skip, logits_bytes_fields, source_line
-from tile_pass.tiled_region import run_region
+from tile_pass.splice import _splice
+from tile_pass.splice._returned_logits import ReturnedLogits
+from tile_pass.tiles.tiled_region import run_region
 
 
 @dataclass
@@ -230,7 +232,7 @@ def _rewritten(
     graph: int, region, logits, splice, covered, tile: TileSize, loss_line: str, options
 ) -> Rewrite:
     """The report's record of one rewritten region: the plan the tile loop will make for the sizes'
-    hints (the same :func:`tile_pass._plan.plan_tiles`), the bytes it avoids, how it was spliced."""
+    hints (the same :func:`tile_pass.plan._plan.plan_tiles`), the bytes it avoids, how it was spliced."""
     dtype, vocab, num_tokens = logits.dtype, region.program.vocab_size, region.num_tokens
     weight, tokens = val(region.weight), optimization_hint(num_tokens, fallback=8192)  # unguarded hints
     # the loop's head: this rank's vocabulary rows when sharded

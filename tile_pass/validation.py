@@ -20,8 +20,16 @@ from typing import Any
 
 import torch
 
-from tile_pass._oracle import ValidationError, ValidationResult, as_double, compare, finish, fresh, is_float
 from tile_pass.dynamo_backend import Backend
+from tile_pass.inspection._oracle import (
+    ValidationError,
+    ValidationResult,
+    as_double,
+    compare,
+    finish,
+    fresh,
+    is_float,
+)
 
 __all__ = ["ValidationError", "ValidationResult", "validate"]
 

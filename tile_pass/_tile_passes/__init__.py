@@ -1,4 +1,4 @@
-"""The passes every derived tile graph gets, in order, after :func:`tile_pass._tile_kernel.trace_fake`.
+"""The passes every derived tile graph gets, in order, after :func:`tile_pass.tiles._tile_kernel.trace_fake`.
 
 As Inductor's ``post_grad`` passes: each one an exact rewrite of the graph (where a value is
 stored or which kernel computes it, never what it is), a module of its own with its reason
@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 import torch.fx
 
-from tile_pass._tile_kernel import TileKernelKey
 from tile_pass._tile_passes import (
     accumulate_in_place,
     compiled_middle,
@@ -22,7 +21,8 @@ from tile_pass._tile_passes import (
     split_accumulation,
     upcast_accumulation,
 )
-from tile_pass._weight_grad import WeightGradSchedule
+from tile_pass.plan._weight_grad import WeightGradSchedule
+from tile_pass.tiles._tile_kernel import TileKernelKey
 
 
 class TilePass(NamedTuple):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from tile_pass import _tile_buffers
+from tile_pass.tiles import _tile_buffers
 
 aten = torch.ops.aten
 

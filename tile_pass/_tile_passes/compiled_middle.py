@@ -19,9 +19,9 @@ from torch.fx.passes.split_module import split_module
 
 from tile_pass._logging import log
 from tile_pass._simplify import simplify, split_label_column
-from tile_pass._tile_kernel import TileKernelKey
 from tile_pass._tile_passes import _graph, accumulate_in_place
-from tile_pass._tiling import STORE_GRAD_OVER_LOGITS
+from tile_pass.plan._tiling import STORE_GRAD_OVER_LOGITS
+from tile_pass.tiles._tile_kernel import TileKernelKey
 
 aten = torch.ops.aten
 

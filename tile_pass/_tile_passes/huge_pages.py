@@ -1,5 +1,5 @@
 """On the CPU, each GEMM output the graph returns (the weight gradient of the only tile) gets a
-buffer from :func:`tile_pass._tile_buffers.empty`, which puts it on huge pages where it is
+buffer from :func:`tile_pass.tiles._tile_buffers.empty`, which puts it on huge pages where it is
 large enough.
 
 A float32 GEMM that :mod:`.onednn_gemms` routes to oneDNN keeps its own; a GEMM whose output
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from tile_pass import _tile_buffers
-from tile_pass._tile_kernel import TileKernelKey
 from tile_pass._tile_passes import onednn_gemms
 from tile_pass._tile_passes._graph import aten, logits_gemm, results, view_source
+from tile_pass.tiles import _tile_buffers
+from tile_pass.tiles._tile_kernel import TileKernelKey
 
 
 def run(gm: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:

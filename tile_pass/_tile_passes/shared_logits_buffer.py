@@ -1,5 +1,5 @@
 """On the CPU, the logits GEMM writes into the tile loop's shared buffer (see
-:mod:`tile_pass._tile_buffers`).
+:mod:`tile_pass.tiles._tile_buffers`).
 
 A tile's logits, and the gradient stored over them, are dead when its graph returns, except in
 what the graph returns: the tile loops copy every returned tile (kept logits, returned rows)
@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from tile_pass import _tile_buffers
-from tile_pass._tile_kernel import TileKernelKey
 from tile_pass._tile_passes._graph import logits_gemm
+from tile_pass.tiles import _tile_buffers
+from tile_pass.tiles._tile_kernel import TileKernelKey
 
 
 def run(gm: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:

@@ -1,4 +1,4 @@
-"""The split weight-gradient sum's add, formed block by block (see :mod:`tile_pass._weight_grad`).
+"""The split weight-gradient sum's add, formed block by block (see :mod:`tile_pass.plan._weight_grad`).
 
 Also the compiled passes over the planes the tile loop runs outside the graph: the add of a
 block (:func:`_compiled_split_add`) and the final rounding (:func:`finish_split`).
@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from tile_pass import _split_sum_cpu, _weight_grad
-from tile_pass._tile_kernel import TileKernelKey, inductor_once
 from tile_pass._tile_passes._graph import (
     aten,
     block_heights,
@@ -20,11 +18,14 @@ from tile_pass._tile_passes._graph import (
     replace_with_call,
     strip_transpose_pairs,
 )
+from tile_pass.plan import _weight_grad
+from tile_pass.tiles import _split_sum_cpu
+from tile_pass.tiles._tile_kernel import TileKernelKey, inductor_once
 
 
 class _BlockedSplitAccumulate(torch.nn.Module):
     """``sum += a @ b`` on the planes of a split float32 sum, the product one block of rows at
-    a time (see :func:`tile_pass._weight_grad.split_accumulate_mm_`)."""
+    a time (see :func:`tile_pass.plan._weight_grad.split_accumulate_mm_`)."""
 
     _is_impure = True  # it mutates the planes and returns nothing: never dead code
 
@@ -37,9 +38,9 @@ class _BlockedSplitAccumulate(torch.nn.Module):
 
 
 def _compiled_split_add(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
-    """:func:`tile_pass._weight_grad.split_add_` as one vectorized pass over a block (read both
+    """:func:`tile_pass.plan._weight_grad.split_add_` as one vectorized pass over a block (read both
     planes and the product, write both planes): on the CPU the C loop of
-    :mod:`tile_pass._split_sum_cpu`; otherwise compiled by Inductor, once per layout, on the
+    :mod:`tile_pass.tiles._split_sum_cpu`; otherwise compiled by Inductor, once per layout, on the
     planes' int32 words where the rows pair up."""
     c_loop = _split_sum_cpu.add(hi, lo, x)
     if c_loop is not None:
@@ -52,11 +53,11 @@ def _compiled_split_add(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
 
 
 def finish_split(hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype, compiled: bool) -> torch.Tensor:
-    """:func:`tile_pass._weight_grad.finish`; with ``compiled``, one vectorized pass with no
-    temporaries: on the CPU the C loop of :mod:`tile_pass._split_sum_cpu`, otherwise (bfloat16
+    """:func:`tile_pass.plan._weight_grad.finish`; with ``compiled``, one vectorized pass with no
+    temporaries: on the CPU the C loop of :mod:`tile_pass.tiles._split_sum_cpu`, otherwise (bfloat16
     planes whose rows pair up) an Inductor kernel over the int32 words, compiled once per
     shape. Each rounds as the eager conversion does. Planes the last tile's add already rounded
-    (:func:`tile_pass._weight_grad.last_add`) are returned as they are."""
+    (:func:`tile_pass.plan._weight_grad.last_add`) are returned as they are."""
     if _weight_grad.rounded_by_last_add(hi):
         return hi.view(dtype)
     if compiled:

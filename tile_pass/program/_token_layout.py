@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from tile_pass._rules import TokenReduction
+from tile_pass.match._rules import TokenReduction
 
 
 def after_tiles(flat: torch.Tensor, how: TokenReduction, hidden: torch.Tensor, flat_tokens: bool, *operands):

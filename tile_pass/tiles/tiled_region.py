@@ -2,7 +2,7 @@
 
 The one tile loop: every rewritten region and :func:`tile_pass.linear_cross_entropy` (whose
 region is the textbook loss, :mod:`tile_pass._textbook`) run here. The tile function is the
-user's own row-wise subgraph (a :class:`~tile_pass._region.RowProgram`), with several per-token
+user's own row-wise subgraph (a :class:`~tile_pass.program._region.RowProgram`), with several per-token
 outputs (losses, log-probabilities, log-sum-exps, entropies, ``argmax``), and rows
 returned to the caller. One pass over the tiles computes every output: one logits GEMM per
 tile, however many consumers the logits had.
@@ -33,11 +33,20 @@ from typing import NamedTuple
 
 import torch
 
-from tile_pass import _distributed, _plan, _region, _tile_buffers, _weight_grad
-from tile_pass._higher_order import anchors, refuse_higher_order, scaled_by_upstream
-from tile_pass._plan import RegionCall, plan_tiles
-from tile_pass._region import RowProgram
-from tile_pass._tile_kernel import (
+from tile_pass import _distributed
+from tile_pass._tile_passes import finish_tile_graph
+from tile_pass._tile_passes.onednn_gemms import onednn_gemms_apply
+from tile_pass._tile_passes.split_accumulation import finish_split
+from tile_pass.plan import _plan, _weight_grad
+from tile_pass.plan._plan import RegionCall, plan_tiles
+from tile_pass.plan._tiling import TileSize, effective_tile
+from tile_pass.plan._weight_grad import WeightGradSchedule
+from tile_pass.program import _region
+from tile_pass.program._region import RowProgram
+from tile_pass.program._token_weights import token_weights
+from tile_pass.tiles import _tile_buffers
+from tile_pass.tiles._higher_order import anchors, refuse_higher_order, scaled_by_upstream
+from tile_pass.tiles._tile_kernel import (
     TensorSpec,
     TileInputs,
     TileKernelKey,
@@ -45,12 +54,6 @@ from tile_pass._tile_kernel import (
     trace_fake,
     traced_once,
 )
-from tile_pass._tile_passes import finish_tile_graph
-from tile_pass._tile_passes.onednn_gemms import onednn_gemms_apply
-from tile_pass._tile_passes.split_accumulation import finish_split
-from tile_pass._tiling import TileSize, effective_tile
-from tile_pass._token_weights import token_weights
-from tile_pass._weight_grad import WeightGradSchedule
 
 
 def _input_spec(key: TileKernelKey, program: RowProgram) -> TileInputs:

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import torch
 
 from tile_pass import _settings
-from tile_pass._tiling import TileSize, effective_tile, tile_bytes_per_token
-from tile_pass._weight_grad import WeightGradSchedule, plan
+from tile_pass.plan._tiling import TileSize, effective_tile, tile_bytes_per_token
+from tile_pass.plan._weight_grad import WeightGradSchedule, plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +57,8 @@ def plan_tiles(
 ) -> TilePlan:
     """The plan for ``rows`` tokens of a ``batch``-token batch (the rows the tiles run, after any
     skipped ones) and a ``[V, H]`` head of ``dtype``: the tile of
-    :func:`tile_pass._tiling.effective_tile` on the byte model, and the weight-gradient schedule
-    of :func:`tile_pass._weight_grad.plan` (which may grow or shrink the tile)."""
+    :func:`tile_pass.plan._tiling.effective_tile` on the byte model, and the weight-gradient schedule
+    of :func:`tile_pass.plan._weight_grad.plan` (which may grow or shrink the tile)."""
     return _plan(
         int(rows), int(batch), size, tuple(weight_shape), dtype, device.type, compiled, need_weight,
         _settings.current(),
@@ -108,7 +108,7 @@ class RegionCall:
     program and the plan's constants. It crosses the op boundary as one string (a custom op
     takes primitives), content-addressed: the same region and options give the same key."""
 
-    program: str  # a :func:`tile_pass._region.register` key
+    program: str  # a :func:`tile_pass.program._region.register` key
     tile: TileSize
     compile_tiles: bool
 

@@ -5,7 +5,7 @@ Dynamo records one op many ways: ``x + y`` is ``operator.add``, ``torch.add``, t
 :func:`spelling` normalises any node target to one canonical key (``"add"``), whether the
 spelling writes in place, and the out-of-place target it is replayed as; it is computed once
 per target. :func:`register_ops` records one frozen :class:`OpFacts` per key, next to the
-op's row-wise rule (``tile_pass._rules``), as Inductor's AutoChunker registers its per-op
+op's row-wise rule (``tile_pass.match._rules``), as Inductor's AutoChunker registers its per-op
 rules. Every fact is given at registration (``zeros=None`` says "never known to be zero"):
 a missing one raises there, at import, rather than leaving a region silently untiled or a
 raw name in the report.
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 
 class RuleKind(enum.Enum):
-    """What an op's row-wise rule proves of it; the loop folder (:mod:`tile_pass._fold_loops`) reads it too.
+    """What an op's row-wise rule proves of it; the loop folder (:mod:`._fold_loops`) reads it too.
 
     * ``ELEMENTWISE``: unary and binary maths, comparisons, ``where``, casts (no device move);
       tensor operands are per-token (sliced per tile) or shared by every row (0-d, ``[V]``);
@@ -55,7 +55,7 @@ class RuleKind(enum.Enum):
 
 class Linear(enum.Enum):
     """In which operands an op is linear, for the scalar loss joined to the region (phase 4 of
-    ``tile_pass._region_match``): its gradient must not depend on the values it reads."""
+    ``tile_pass.match._region_match``): its gradient must not depend on the values it reads."""
 
     NONE = "none"
     FIRST = "first"  # in its first operand, when no other operand is linear
@@ -100,7 +100,7 @@ class OpFacts:
     #: the row-wise rule: (the ``_region_match.RegionMatcher``, the node) -> its steps, or ``NoMatch``
     classify: Callable | None
     #: ``rule(step, of, token)``: where the step's value is zero whatever the logits
-    #: (``tile_pass._region.zero_where``); ``None``: nowhere known
+    #: (``tile_pass.program._region.zero_where``); ``None``: nowhere known
     zeros: Callable | None
     linear: Linear
     #: the name of its group-wide form in ``tile_pass._distributed`` for a vocabulary-sharded

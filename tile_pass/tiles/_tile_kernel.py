@@ -1,6 +1,6 @@
 """The per-tile function's key, its named inputs and its tracing, once per key.
 
-One tile of a region is its row-wise program (:mod:`tile_pass.tiled_region` builds the joint
+One tile of a region is its row-wise program (:mod:`tile_pass.tiles.tiled_region` builds the joint
 function: the program's outputs and ``torch.autograd.grad`` of ``sum(tangent * output)``).
 Its gradient is never written by hand: :func:`trace_fake` traces it with ``make_fx`` into an
 aten graph, exactly as AOTAutograd derives a joint graph; the post-trace passes
@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tile_pass._weight_grad import WeightGradSchedule
+from tile_pass.plan._weight_grad import WeightGradSchedule
 
 #: the shape and dtype of a per-token input, without its token dimension
 RowPart = tuple[tuple[int, ...], torch.dtype]
@@ -214,7 +214,7 @@ def _on_tracing_thread(trace, key):
 
 def on_tracing_thread(trace):
     """``trace()`` on the tracing thread, under the compile lock, uncached: for traces that are
-    not tile functions (tile_pass._token_weights)."""
+    not tile functions (tile_pass.program._token_weights)."""
     with _tracing_lock():
         return _tracer.submit(_on_tracing_thread, lambda _: trace(), None).result()
 

@@ -1,11 +1,11 @@
 """The region IR: a row-wise program that runs on one tile of tokens, and its registry.
 
 A region is the LM-head projection plus every node that uses its logits row by row
-(:mod:`tile_pass._region_match` finds it, by the rules of :mod:`tile_pass._rules`). Its
+(:mod:`tile_pass.match._region_match` finds it, by the rules of :mod:`tile_pass.match._rules`). Its
 nodes are copied out of the Dynamo graph into a :class:`RowProgram`: a list of
 :class:`Step` records, each the node's own torch call with its token-shaped arguments
 rewritten to a tile's layout (``[tile, V]`` rows, ``[tile, 1]`` or ``[tile]`` per-token
-values). The tiled op (:mod:`tile_pass.tiled_region`) runs the program on each tile and
+values). The tiled op (:mod:`tile_pass.tiles.tiled_region`) runs the program on each tile and
 derives its gradient with ``make_fx``; no formula for any op is written here.
 
 Custom ops cannot take a program as an argument, so programs are registered under a key
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tile_pass._op_facts import RuleKind, facts_for
+from tile_pass.match._op_facts import RuleKind, facts_for
 
 
 class Layout(str, enum.Enum):
@@ -186,7 +186,7 @@ class ZeroAll(_ZeroParts):
 
 def zero_where(step: Step, zeros_of: dict[int, Zeros | None], per_token: frozenset[int]) -> Zeros | None:
     """Where a step's value is zero whatever the logits (``None``: nowhere known), by its op's
-    ``zeros`` fact (``tile_pass._rules``), from its operands' (``zeros_of``, by value index) and
+    ``zeros`` fact (``tile_pass.match._rules``), from its operands' (``zeros_of``, by value index) and
     the per-token inputs (``per_token``)."""
     facts = facts_for(step.target)
     if facts is None or facts.zeros is None:

@@ -26,8 +26,9 @@ from collections.abc import Iterator
 
 import torch
 
-from tile_pass import _settings, _tile_buffers
-from tile_pass._tiling import MIN_AUTO_TILE, TileSize, padded_rows
+from tile_pass import _settings
+from tile_pass.plan._tiling import MIN_AUTO_TILE, TileSize, padded_rows
+from tile_pass.tiles import _tile_buffers
 
 #: Rows of a ``[V, H]`` plane handled at a time: bounds the int32/float32 temporaries of the
 #: eager implementation and the product block of :func:`split_accumulate_mm_`.
@@ -78,7 +79,7 @@ def bytes_per_weight(schedule: WeightGradSchedule, weight_dtype: torch.dtype) ->
 
 
 #: automatic tiles that are shrunk to fit the half-of-unfused bound stay multiples of this and
-#: no smaller than :data:`tile_pass._tiling.MIN_AUTO_TILE`
+#: no smaller than :data:`tile_pass.plan._tiling.MIN_AUTO_TILE`
 _TILE_STEP = 64
 
 
@@ -93,7 +94,7 @@ def plan(
     batch_tokens: int | None = None,
 ) -> tuple[int, WeightGradSchedule]:
     """The tile and the weight-gradient schedule for a batch of ``num_tokens`` run in tiles of
-    ``tile`` (:func:`tile_pass._tiling.effective_tile` of the ``size`` asked for).
+    ``tile`` (:func:`tile_pass.plan._tiling.effective_tile` of the ``size`` asked for).
 
     For half-precision weights (under the split schedule), a batch that runs as one tile needs
     no sum across tiles: the tile's own GEMM forms the weight gradient with float32
@@ -102,7 +103,7 @@ def plan(
     With automatic tiles (``size.automatic``) a half-precision batch also runs as one tile
     when that holds fewer bytes than the split sum's low plane plus the smaller tiles:
     ``P * per_token < 2 * V * H + tile * per_token`` (``P``: the batch padded by
-    :func:`tile_pass._tiling.padded_rows`). That is the small batches, where the logits are
+    :func:`tile_pass.plan._tiling.padded_rows`). That is the small batches, where the logits are
     small next to the head; the budget bounds the tiles of the split schedule, and this one
     tile holds less than they do with the plane they need, so it may exceed the budget. Under
     the split schedule the automatic tile is no smaller than it need be: each tile reads and
@@ -324,7 +325,7 @@ def _claim(hi: torch.Tensor) -> bool:
 def last_add(hi: torch.Tensor) -> Iterator[None]:
     """Run the tile loop's last tile: its blocked add into these planes (where it has an
     ``add_and_round``) also rounds the sum into the weight dtype over ``hi``, which saves
-    :func:`tile_pass._tile_kernel.finish_split` a pass over both planes (see
+    :func:`tile_pass.tiles._tile_kernel.finish_split` a pass over both planes (see
     :func:`rounded_by_last_add`). The same numbers: the split is lossless."""
     _marked("last").add(_key(hi))
     try:

@@ -26,9 +26,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tile_pass import _region
 from tile_pass._logging import log
-from tile_pass._tile_kernel import _BoundedCache, on_tracing_thread
+from tile_pass.program import _region
+from tile_pass.tiles._tile_kernel import _BoundedCache, on_tracing_thread
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Splice a matched region into the graph: one call of the tiled op in place of its nodes.
 
-The matcher (:mod:`tile_pass._region_match`) only proves a region row-wise and records it as a
-:class:`~tile_pass._region_match.RowRegion`; this module changes the graph, in named steps:
+The matcher (:mod:`tile_pass.match._region_match`) only proves a region row-wise and records it as a
+:class:`~tile_pass.match._region_match.RowRegion`; this module changes the graph, in named steps:
 hoist the op's inputs above its first reader, slice and cast the tiles' rows, call the op, restore
 each output to the shape the user's graph gave it, hand returned logits to the caller, erase the
 region. Nothing is changed before every step that can refuse has run.
@@ -15,19 +15,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from tile_pass import _region, _rules
-from tile_pass._fx import NoMatch, describe, val
-from tile_pass._plan import RegionCall
-from tile_pass._region import Layout, RowProgram
-from tile_pass._region_match import RowRegion
-from tile_pass._returned_logits import ReturnedLogits
-from tile_pass._token_layout import after_tiles, per_token, restore, select, spread
-from tile_pass.tiled_region import run_region
+from tile_pass.match import _rules
+from tile_pass.match._fx import NoMatch, describe, val
+from tile_pass.match._region_match import RowRegion
+from tile_pass.plan._plan import RegionCall
+from tile_pass.program import _region
+from tile_pass.program._region import Layout, RowProgram
+from tile_pass.program._token_layout import after_tiles, per_token, restore, select, spread
+from tile_pass.splice._returned_logits import ReturnedLogits
+from tile_pass.tiles.tiled_region import run_region
 
 
 class _ProgramPrefix(torch.nn.Module):
     """The returned rows of a region, computed whole, for the gradient path of logits that are
-    also returned (see :mod:`tile_pass._returned_logits`): the same program, on all tokens."""
+    also returned (see :mod:`tile_pass.splice._returned_logits`): the same program, on all tokens."""
 
     def __init__(self, program: RowProgram, output: int, flat_tokens: bool, has_bias: bool):
         super().__init__()
@@ -86,7 +87,7 @@ class Splice:
 def rewrite_row_region(
     graph: torch.fx.Graph, region: RowRegion, *, call: RegionCall, result, autocast_states
 ) -> Splice:
-    """Replace the region by one call of :func:`tile_pass.tiled_region.run_region`, in named steps.
+    """Replace the region by one call of :func:`tile_pass.tiles.tiled_region.run_region`, in named steps.
     Raises ``NoMatch`` (from :func:`_hoist`, the only step that can refuse) before changing anything."""
     splice = Splice(region, call, members=set(region.nodes) | set(region.reduction_nodes))
     existing = set(graph.nodes)

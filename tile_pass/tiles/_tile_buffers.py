@@ -5,7 +5,7 @@ large is a mapping of its own (glibc hands blocks above its 32 MiB threshold bac
 when they are freed), so every tile pays again for faulting its pages in: 37 ms of a
 512 x 128256 bfloat16 tile's 122 ms logits GEMM on a 2-core Xeon. The tile loops run inside
 :func:`shared`, and the logits GEMM of every derived tile graph (rewritten by
-:func:`tile_pass._tile_kernel.finish_tile_graph`) writes into that scope's buffer instead:
+:func:`tile_pass.tiles._tile_kernel.finish_tile_graph`) writes into that scope's buffer instead:
 allocated by the first tile, reused by the others, freed when the loop ends. Outside a scope
 (or on an accelerator, whose caching allocator already reuses memory) each GEMM allocates as
 before.

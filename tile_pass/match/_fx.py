@@ -10,7 +10,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from tile_pass._region import target_name
+from tile_pass.program._region import target_name
 from tile_pass.report import source_line
 
 

@@ -4,7 +4,7 @@ A region may contain an op only if a rule here proves that the op, run on a tile
 gives those rows' slice of what it gives on all of them. Each rule is registered with every
 other fact about its ops (where the op is zero, in which operands it is linear, its sharded
 form, whether a per-row loop of it folds, its report name, ...) by
-:func:`tile_pass._op_facts.register_ops`, on the op's canonical key (one for all the ways
+:func:`tile_pass.match._op_facts.register_ops`, on the op's canonical key (one for all the ways
 Dynamo spells it). A rule takes the matcher and the node, checks the node's arguments (the
 reduced dimension is the vocabulary, an index is per-token, ...) and returns the
 :class:`Classified` steps to replay on a tile, or raises :class:`NoMatch` naming what it
@@ -27,8 +27,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tile_pass._fx import NoMatch, same, same_shape, val
-from tile_pass._op_facts import (
+from tile_pass.match._fx import NoMatch, same, same_shape, val
+from tile_pass.match._op_facts import (
     AS_KEY,
     FACTS,
     Fold,
@@ -40,7 +40,18 @@ from tile_pass._op_facts import (
     register_ops,
     spelling,
 )
-from tile_pass._region import Layout, Ref, RefKind, Step, ZeroAll, ZeroAny, ZeroIf, ZeroKind, Zeros, row_part
+from tile_pass.program._region import (
+    Layout,
+    Ref,
+    RefKind,
+    Step,
+    ZeroAll,
+    ZeroAny,
+    ZeroIf,
+    ZeroKind,
+    Zeros,
+    row_part,
+)
 
 
 @dataclass(frozen=True)
@@ -169,8 +180,8 @@ def _rows_operand(matcher, node: torch.fx.Node, source=None) -> tuple[Ref, Shape
 
 # ------------------------------------------------------------------------------ zero rules
 # ``rule(step, of, token)``: where the step's value is zero whatever the logits, from ``of(arg)``
-# (an operand's :class:`~tile_pass._region.Zeros` or ``None``) and ``token(arg)`` (a per-token
-# input?); read by :func:`tile_pass._region.zero_where`, registered as an op's ``zeros`` fact.
+# (an operand's :class:`~tile_pass.program._region.Zeros` or ``None``) and ``token(arg)`` (a per-token
+# input?); read by :func:`tile_pass.program._region.zero_where`, registered as an op's ``zeros`` fact.
 
 
 def _number(arg) -> bool:
@@ -244,7 +255,7 @@ def _keeps_zeros(step, of, token):
 
 
 # ------------------------------------------------------------------------------ rules
-# Each registration states every fact of its ops (see tile_pass._op_facts.OpFacts).
+# Each registration states every fact of its ops (see tile_pass.match._op_facts.OpFacts).
 _ELEMENTWISE = RuleKind.ELEMENTWISE
 #: the facts every elementwise op shares, stated once: no sharded form (it needs none), it signs
 #: no head and selects no rows, a per-row loop of it folds, the report shows it and its numbers

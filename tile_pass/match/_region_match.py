@@ -3,10 +3,10 @@
 A region is an LM-head projection plus every node that uses its logits row by row, with
 as many outputs as the user's code takes from it. The matcher runs in phases:
 
-1. **the projection** (:func:`tile_pass._fx.as_linear`): ``F.linear``/``x @ W.T`` with a 2-D
+1. **the projection** (:func:`tile_pass.match._fx.as_linear`): ``F.linear``/``x @ W.T`` with a 2-D
    weight, its autocast dtype;
 2. **the row-wise subgraph** (:meth:`RegionMatcher.walk`): every node that depends on the logits
-   is classified, in graph order, by the rule registered for its op (:mod:`tile_pass._rules`); a
+   is classified, in graph order, by the rule registered for its op (:mod:`tile_pass.match._rules`); a
    node joins the region when its rule proves it row-wise and every logits-dependent operand is
    already in the region, and leaves one :class:`RegionValue` of all that was proved about it;
 3. **the outputs** (:meth:`RegionMatcher.collect_outputs`): region values read outside it.
@@ -16,11 +16,11 @@ as many outputs as the user's code takes from it. The matcher runs in phases:
    caller uses it;
 4. **the scalar loss** (:meth:`RegionMatcher.scalar_loss`): when the differentiable outputs
    reach exactly one scalar through token reductions linear in them, those nodes join the op,
-   which then forms the whole gradient in forward (:mod:`tile_pass.tiled_region`);
-5. **the rewrite** (:func:`tile_pass._splice.rewrite_row_region`): one call to
-   :func:`tile_pass.tiled_region.run_region`.
+   which then forms the whole gradient in forward (:mod:`tile_pass.tiles.tiled_region`);
+5. **the rewrite** (:func:`tile_pass.splice._splice.rewrite_row_region`): one call to
+   :func:`tile_pass.tiles.tiled_region.run_region`.
 
-Anything unproven raises :class:`~tile_pass._fx.NoMatch` with the op and the line that
+Anything unproven raises :class:`~tile_pass.match._fx.NoMatch` with the op and the line that
 stopped the region, and the graph is left as it was.
 """
 
@@ -34,13 +34,14 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from tile_pass import _fx, _region, _rules
-from tile_pass._fx import NoMatch, as_linear, describe, leading_index, same, same_shape, val
 from tile_pass._logging import log
-from tile_pass._op_facts import FACTS, Linear, Selects, facts_for, spelling
-from tile_pass._region import Layout, Output, ReductionProgram, Ref, RefKind, RowProgram, Step
-from tile_pass._rules import PREVIOUS_STEP, AfterTiles, Classified, RuleKind, Shape
-from tile_pass._token_layout import after_tiles, restore, select
+from tile_pass.match import _fx, _rules
+from tile_pass.match._fx import NoMatch, as_linear, describe, leading_index, same, same_shape, val
+from tile_pass.match._op_facts import FACTS, Linear, Selects, facts_for, spelling
+from tile_pass.match._rules import PREVIOUS_STEP, AfterTiles, Classified, RuleKind, Shape
+from tile_pass.program import _region
+from tile_pass.program._region import Layout, Output, ReductionProgram, Ref, RefKind, RowProgram, Step
+from tile_pass.program._token_layout import after_tiles, restore, select
 from tile_pass.report import source_line
 
 _PER_TOKEN = (Layout.TOKENS, Layout.TOKENS1)
@@ -52,7 +53,8 @@ _EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
 class ProgramValue:
     """Value ``index`` of the program (``Ref(VALUE, index)``): the step that computes it (none for
     the logits, value 0), its shape in a tile, the kind of rule that made the step (the sharded
-    form reads it), and where it is zero whatever the logits (:func:`tile_pass._region.zero_where`)."""
+    form reads it), and where it is zero whatever the logits
+    (:func:`~tile_pass.program._region.zero_where`)."""
 
     index: int
     step: Step | None
@@ -286,7 +288,7 @@ def _shard_program_steps(matcher) -> list[Step]:
 
 class RegionMatcher:
     """Phases 2-4 for one projection (see the module docstring); the rules
-    (:mod:`tile_pass._rules`) read its values and add its operands through the methods below."""
+    (:mod:`tile_pass.match._rules`) read its values and add its operands through the methods below."""
 
     def __init__(
         self, graph: torch.fx.Graph, projection: torch.fx.Node, linear, autocast_states, drop_rows: bool,

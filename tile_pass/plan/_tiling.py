@@ -37,7 +37,7 @@ import torch
 #: 2.13 miscompiles that in-place store on CPU: it schedules the target-logit gather after
 #: the store (wrong losses), or fails with ``KeyError: 'bufN'`` in outer-loop fusion. There
 #: the gradient gets its own buffer: exact, one more ``[tile, V]`` buffer per tile (the byte
-#: model in :mod:`tile_pass._tiling` counts it).
+#: model in :mod:`tile_pass.plan._tiling` counts it).
 STORE_GRAD_OVER_LOGITS = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
 
 #: Default budget for the per-tile buffers on CPU. Cache-sized tiles do not help here: the

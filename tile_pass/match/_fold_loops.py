@@ -18,8 +18,8 @@ import operator
 import torch
 import torch.fx
 
-from tile_pass import _rules
-from tile_pass._op_facts import Fold, RuleKind, facts_for
+from tile_pass.match import _rules
+from tile_pass.match._op_facts import Fold, RuleKind, facts_for
 
 
 def _row_of(node, batch: int):

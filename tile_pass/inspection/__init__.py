@@ -1,0 +1,1 @@
+"""What a person or a tool looks at: dumps of the rewritten graphs, the float64 oracle."""

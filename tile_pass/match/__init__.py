@@ -1,0 +1,5 @@
+"""Phase 1, match: find an LM-head projection and the row-wise region that reads its logits.
+
+Every fact about an op lives in one place (:mod:`._op_facts`, registered next to its rule in
+:mod:`._rules`); :mod:`._region_match` walks the graph with them and proves a region row-wise.
+"""
