@@ -195,7 +195,7 @@ def _modules():
 
     import tile_pass
 
-    names = ("tiles._tile_kernel", "_tile_passes", "plan._tiling", "plan._weight_grad",
+    names = ("tiles._tile_kernel", "tiles._tile_passes", "plan._tiling", "plan._weight_grad",
              "tiles._split_sum_cpu", "tiles.tiled_region", "plan._plan")  # fmt: skip
     return tile_pass, {name.split(".")[-1]: importlib.import_module(f"tile_pass.{name}") for name in names}
 
@@ -629,9 +629,9 @@ def _check_tile_kernel(dtype, schedule, variant, compiled):
     _quiet()
     _, m = _modules()
     region_op = m["tiled_region"]
-    from tile_pass._tile_passes import compiled_middle, onednn_gemms, split_accumulation
     from tile_pass.program import _region
     from tile_pass.tiles import _tile_buffers
+    from tile_pass.tiles._tile_passes import compiled_middle, onednn_gemms, split_accumulation
 
     T, H, V = 96, 64, 1000
     bias = variant == "bias+logits"

@@ -83,3 +83,17 @@ def test_the_cycle_finder_finds_a_function_level_cycle():
     graph = import_graph()
     # function-level imports are read too
     assert "tile_pass.program._region" in graph["tile_pass.tiles.tiled_region"]
+
+
+def test_the_docs_pipeline_table_is_generated_from_the_tree():
+    """docs/how_it_works.md's table is what scripts/pipeline_table.py makes of the folders' and modules'
+    docstrings, and every top-level module or folder is in a row of it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "pipeline_table", PACKAGE.parent / "scripts" / "pipeline_table.py"
+    )
+    pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipeline)
+    assert pipeline.unplaced() == [], "place these in scripts/pipeline_table.py's TOP_LEVEL"
+    assert pipeline.in_docs() == pipeline.table(), "run: python scripts/pipeline_table.py --write"

@@ -303,7 +303,7 @@ def test_inductor_with_compiled_tiles(fn, tile, block_bytes_rows, middle_rows, m
     """Compiled tiles; with ``middle_rows`` the CPU's compiled middle runs in blocks of rows,
     as many as fit ``block_bytes_rows`` rows of logits with every ``[tile, V]`` input the
     middle reads (the KL's teacher logits halve them)."""
-    from tile_pass._tile_passes import compiled_middle
+    from tile_pass.tiles._tile_passes import compiled_middle
 
     blocked_calls = []
     if middle_rows:

@@ -1,4 +1,4 @@
-"""Exact rewrites of the derived tile middle (tile_pass._simplify): each one is applied where
+"""Exact rewrites of the derived tile middle (tile_pass.tiles._simplify): each one is applied where
 its pattern is, nowhere else, and the compiled tile gives the same bits with it as without."""
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import torch.nn.functional as F
 from tile_kernels import V, call, ce_key, make_inputs, program_of, replace
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tile_pass import _simplify
-from tile_pass._tile_passes import compiled_middle
 from tile_pass.plan import _tiling
-from tile_pass.tiles import _tile_kernel
+from tile_pass.tiles import _simplify, _tile_kernel
+from tile_pass.tiles._tile_passes import compiled_middle
 
 aten = torch.ops.aten
 #: Whether compiled middles store the logits gradient over the logits, where the label column is

@@ -16,9 +16,9 @@ from tile_kernels import CASES, V, kernel, key_for
 import tile_pass
 from tile_pass import _settings
 from tile_pass._settings import CPU_GEMM_ENV
-from tile_pass._tile_passes.onednn_gemms import onednn_gemms_apply
 from tile_pass.tiles import _tile_buffers, _tile_kernel
 from tile_pass.tiles._tile_kernel import TileKernelKey
+from tile_pass.tiles._tile_passes.onednn_gemms import onednn_gemms_apply
 
 H = 16
 

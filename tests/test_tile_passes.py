@@ -1,4 +1,4 @@
-"""The post-trace passes of the tile function (:mod:`tile_pass._tile_passes`): the ordered list
+"""The post-trace passes of the tile function (:mod:`tile_pass.tiles._tile_passes`): the ordered list
 and its predicates, then each pass on its own (what it rewrites, and that the tile gives the same
 results with it), one section per pass module."""
 
@@ -22,8 +22,10 @@ from tile_kernels import (
 )
 
 import tile_pass
-from tile_pass import _tile_passes
-from tile_pass._tile_passes import (
+from tile_pass.plan import _tiling
+from tile_pass.plan._weight_grad import WeightGradSchedule
+from tile_pass.tiles import _tile_buffers, _tile_kernel, _tile_passes
+from tile_pass.tiles._tile_passes import (
     accumulate_in_place,
     compiled_middle,
     huge_pages,
@@ -32,14 +34,11 @@ from tile_pass._tile_passes import (
     split_accumulation,
     upcast_accumulation,
 )
-from tile_pass._tile_passes._graph import VIEWS
-from tile_pass._tile_passes.compiled_middle import Compiled
-from tile_pass._tile_passes.onednn_gemms import _onednn_mm, onednn_gemms_apply
-from tile_pass._tile_passes.split_accumulation import _BlockedSplitAccumulate
-from tile_pass._tile_passes.upcast_accumulation import _BlockedUpcastAccumulate
-from tile_pass.plan import _tiling
-from tile_pass.plan._weight_grad import WeightGradSchedule
-from tile_pass.tiles import _tile_buffers, _tile_kernel
+from tile_pass.tiles._tile_passes._graph import VIEWS
+from tile_pass.tiles._tile_passes.compiled_middle import Compiled
+from tile_pass.tiles._tile_passes.onednn_gemms import _onednn_mm, onednn_gemms_apply
+from tile_pass.tiles._tile_passes.split_accumulation import _BlockedSplitAccumulate
+from tile_pass.tiles._tile_passes.upcast_accumulation import _BlockedUpcastAccumulate
 
 H = 16
 aten = torch.ops.aten

@@ -11,11 +11,11 @@ from conftest import DEVICES, assert_no_worse_than_eager
 
 import tile_pass
 from tile_pass import _settings
-from tile_pass._tile_passes import split_accumulation
 from tile_pass.plan import _weight_grad
 from tile_pass.plan._tiling import TileSize
 from tile_pass.plan._weight_grad import WeightGradSchedule
 from tile_pass.tiles import _split_sum_cpu
+from tile_pass.tiles._tile_passes import split_accumulation
 
 
 @pytest.fixture

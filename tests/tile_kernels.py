@@ -188,7 +188,7 @@ def key_for(dtype, upcast=False, softcap=None, bias=False, returns_logits=False,
 
 def middle_of(key):
     """The compiled middle of a key's tile function."""
-    from tile_pass._tile_passes.compiled_middle import Compiled
+    from tile_pass.tiles._tile_passes.compiled_middle import Compiled
 
     middle = kernel(key).get_submodule("submod_1")
     assert isinstance(middle, Compiled)

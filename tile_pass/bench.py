@@ -57,8 +57,8 @@ from tile_pass._measure import (
     timed,
     training_step,
 )
-from tile_pass._tile_passes.onednn_gemms import _onednn_mm, onednn_gemms_apply
 from tile_pass.plan import _plan
+from tile_pass.tiles._tile_passes.onednn_gemms import _onednn_mm, onednn_gemms_apply
 
 #: Every implementation the benchmark knows. CPU-only runs use :func:`default_impls`.
 IMPLS = ("eager", "inductor", "autochunker", "torch_chunked", "cce", "chunked", "tile_pass", "liger",

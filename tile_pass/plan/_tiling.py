@@ -190,7 +190,7 @@ def padded_rows(rows: int) -> int:
     lengths; but a padding row costs as much as a real one, and a power of two wastes up to
     half the work (a batch of 878 labelled tokens ran as 1024). Four sizes an octave waste
     at most a fifth, and every size from 128 is a multiple of 32 (whole row blocks of the
-    middle, :func:`tile_pass._tile_passes.compiled_middle._middle_block_rows`).
+    middle, :func:`tile_pass.tiles._tile_passes.compiled_middle._middle_block_rows`).
     """
     size = _MIN_TILE
     while size < rows and size < _QUARTER_OCTAVES_FROM:

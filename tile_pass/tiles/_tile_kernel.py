@@ -4,7 +4,7 @@ One tile of a region is its row-wise program (:mod:`tile_pass.tiles.tiled_region
 function: the program's outputs and ``torch.autograd.grad`` of ``sum(tangent * output)``).
 Its gradient is never written by hand: :func:`trace_fake` traces it with ``make_fx`` into an
 aten graph, exactly as AOTAutograd derives a joint graph; the post-trace passes
-(:mod:`tile_pass._tile_passes`) rewrite that graph, and :func:`traced_once` caches the result
+(:mod:`tile_pass.tiles._tile_passes`) rewrite that graph, and :func:`traced_once` caches the result
 per :class:`TileKernelKey`. The tracer and the tile loop name the tile's inputs alike
 (:class:`TileInputs`): shapes and dtypes for the one, the tile's tensors for the other.
 

@@ -34,9 +34,6 @@ from typing import NamedTuple
 import torch
 
 from tile_pass import _distributed
-from tile_pass._tile_passes import finish_tile_graph
-from tile_pass._tile_passes.onednn_gemms import onednn_gemms_apply
-from tile_pass._tile_passes.split_accumulation import finish_split
 from tile_pass.plan import _plan, _weight_grad
 from tile_pass.plan._plan import RegionCall, plan_tiles
 from tile_pass.plan._tiling import TileSize, effective_tile
@@ -54,6 +51,9 @@ from tile_pass.tiles._tile_kernel import (
     trace_fake,
     traced_once,
 )
+from tile_pass.tiles._tile_passes import finish_tile_graph
+from tile_pass.tiles._tile_passes.onednn_gemms import onednn_gemms_apply
+from tile_pass.tiles._tile_passes.split_accumulation import finish_split
 
 
 def _input_spec(key: TileKernelKey, program: RowProgram) -> TileInputs:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from tile_pass._tile_passes._graph import logits_gemm
 from tile_pass.tiles import _tile_buffers
 from tile_pass.tiles._tile_kernel import TileKernelKey
+from tile_pass.tiles._tile_passes._graph import logits_gemm
 
 
 def run(gm: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from tile_pass._tile_passes._graph import (
+from tile_pass.tiles._tile_kernel import TileKernelKey, inductor_once
+from tile_pass.tiles._tile_passes._graph import (
     aten,
     block_heights,
     chain_to,
@@ -14,8 +15,7 @@ from tile_pass._tile_passes._graph import (
     replace_with_call,
     strip_transpose_pairs,
 )
-from tile_pass._tile_passes.compiled_middle import Compiled
-from tile_pass.tiles._tile_kernel import TileKernelKey, inductor_once
+from tile_pass.tiles._tile_passes.compiled_middle import Compiled
 
 #: Rows of the half-precision weight-gradient product formed at a time (see below).
 UPCAST_BLOCK_BYTES = 8 * 1024 * 1024

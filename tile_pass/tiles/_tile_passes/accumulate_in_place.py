@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from tile_pass._tile_passes._graph import aten, strip_transpose_pairs
 from tile_pass.tiles._tile_kernel import TileKernelKey
+from tile_pass.tiles._tile_passes._graph import aten, strip_transpose_pairs
 
 
 def run(gm: torch.fx.GraphModule, key: TileKernelKey | None = None) -> torch.fx.GraphModule:

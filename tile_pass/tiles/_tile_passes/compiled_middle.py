@@ -3,7 +3,7 @@
 The derived tile graph is split at its GEMMs (:func:`_split_at_gemms`): the middle takes the
 logits tile and returns the losses and the logits gradient. Inductor fuses it into a few passes
 over the tile, storing the logits gradient over the logits where that is safe
-(:func:`_store_grad_over_logits`), after the exact rewrites of :mod:`tile_pass._simplify`; the
+(:func:`_store_grad_over_logits`), after the exact rewrites of :mod:`tile_pass.tiles._simplify`; the
 GEMMs stay library calls. On the CPU the middle runs block after block of rows
 (:class:`_RowBlocked`), from the same tile function traced at a block's rows: the pass loop
 keeps that retrace in ``gm.meta[RETRACE]``.
@@ -18,10 +18,10 @@ import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from tile_pass._logging import log
-from tile_pass._simplify import simplify, split_label_column
-from tile_pass._tile_passes import _graph, accumulate_in_place
 from tile_pass.plan._tiling import STORE_GRAD_OVER_LOGITS
+from tile_pass.tiles._simplify import simplify, split_label_column
 from tile_pass.tiles._tile_kernel import TileKernelKey
+from tile_pass.tiles._tile_passes import _graph, accumulate_in_place
 
 aten = torch.ops.aten
 
@@ -235,7 +235,7 @@ def _compile_middle(split: torch.fx.GraphModule, key, logits_name: str, block=No
 
 class _WithLabelColumn:
     """A compiled middle that stored the logits gradient without its label column, and
-    returned the column last (:func:`tile_pass._simplify.split_label_column`): the column is
+    returned the column last (:func:`tile_pass.tiles._simplify.split_label_column`): the column is
     stored into the logits input here, one element per row, and the other outputs returned."""
 
     def __init__(self, fn, logits_index: int):

@@ -12,7 +12,9 @@ from typing import NamedTuple
 
 import torch.fx
 
-from tile_pass._tile_passes import (
+from tile_pass.plan._weight_grad import WeightGradSchedule
+from tile_pass.tiles._tile_kernel import TileKernelKey
+from tile_pass.tiles._tile_passes import (
     accumulate_in_place,
     compiled_middle,
     huge_pages,
@@ -21,8 +23,6 @@ from tile_pass._tile_passes import (
     split_accumulation,
     upcast_accumulation,
 )
-from tile_pass.plan._weight_grad import WeightGradSchedule
-from tile_pass.tiles._tile_kernel import TileKernelKey
 
 
 class TilePass(NamedTuple):

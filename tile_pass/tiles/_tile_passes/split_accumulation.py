@@ -9,7 +9,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from tile_pass._tile_passes._graph import (
+from tile_pass.plan import _weight_grad
+from tile_pass.tiles import _split_sum_cpu
+from tile_pass.tiles._tile_kernel import TileKernelKey, inductor_once
+from tile_pass.tiles._tile_passes._graph import (
     aten,
     block_heights,
     chain_to,
@@ -18,9 +21,6 @@ from tile_pass._tile_passes._graph import (
     replace_with_call,
     strip_transpose_pairs,
 )
-from tile_pass.plan import _weight_grad
-from tile_pass.tiles import _split_sum_cpu
-from tile_pass.tiles._tile_kernel import TileKernelKey, inductor_once
 
 
 class _BlockedSplitAccumulate(torch.nn.Module):

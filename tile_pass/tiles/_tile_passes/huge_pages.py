@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from tile_pass._tile_passes import onednn_gemms
-from tile_pass._tile_passes._graph import aten, logits_gemm, results, view_source
 from tile_pass.tiles import _tile_buffers
 from tile_pass.tiles._tile_kernel import TileKernelKey
+from tile_pass.tiles._tile_passes import onednn_gemms
+from tile_pass.tiles._tile_passes._graph import aten, logits_gemm, results, view_source
 
 
 def run(gm: torch.fx.GraphModule, key: TileKernelKey) -> torch.fx.GraphModule:

@@ -9,8 +9,8 @@ import torch.fx
 
 from tile_pass import _settings
 from tile_pass._logging import log
-from tile_pass._tile_passes._graph import GEMMS, aten, graph_nodes, recompile_all, replace_with_call
 from tile_pass.tiles._tile_kernel import TileKernelKey
+from tile_pass.tiles._tile_passes._graph import GEMMS, aten, graph_nodes, recompile_all, replace_with_call
 
 
 def onednn_gemms_apply(device: torch.device) -> bool:
