@@ -167,6 +167,16 @@ def cpo_chunked(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
     return loss, chosen_logits.mean(), rejected_logits.mean()
 
 
+def dpo_nll_last(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
+    """The chosen half's NLL sliced after the log-probs of all rows were taken (the other order)."""
+    logits = (x @ w.t() + b).float()
+    logps = _batch_logps(logits, y)
+    half = x.shape[0] // 2
+    V = logits.shape[-1]
+    nll = F.cross_entropy(logits[:half].reshape(-1, V), y[:half].reshape(-1), ignore_index=IGNORE)
+    return nll - F.logsigmoid(beta * ((logps[:half] - ref_chosen) - (logps[half:] - ref_rejected))).mean()
+
+
 def dpo_split_narrow(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
     """``split`` for the metrics, ``narrow`` for the NLL."""
     logits = F.linear(x, w, b).float()

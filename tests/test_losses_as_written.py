@@ -65,6 +65,7 @@ CASES = [
     ("kto", "preference", ("x", "w", "b")),
     ("cpo_chunked", "preference", ("x", "w", "b")),
     ("dpo_split_narrow", "preference", ("x", "w", "b")),
+    ("dpo_nll_last", "preference", ("x", "w", "b")),
     ("grpo", "rl", ("x", "w", "b")),
     ("distill_jsd", "distill", ("x", "w")),
     ("distill_forward_kl", "distill", ("x", "w")),

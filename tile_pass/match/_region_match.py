@@ -453,6 +453,7 @@ class RegionMatcher:
         shape = self.shape_of(source)
         if shape is None or shape.layout is not Layout.ROWS:
             return False
+        self.saw_selection = True  # if it cannot move onto the hidden states, a selection (second pass)
         if self._before_slice(source):
             raise NoMatch("{} slices the logits' token rows a second way", node)
         index = leading_index(node, len(shape.tokens) + 1)
