@@ -463,3 +463,10 @@ def test_an_unbacked_size_is_reported_without_a_value():
     step(h, w, y).backward()
     (rewrite,) = backend.report().rewrites
     assert rewrite.num_tokens.startswith("u") and "at compile" not in rewrite.num_tokens, rewrite.num_tokens
+
+
+def test_a_peak_that_grows_is_said_to_grow():
+    """A tiny batch's tiles can hold more than its logits: the report says "higher", not "-x lower"."""
+    from tile_pass.report import _lower
+
+    assert _lower(-192000) == "187.5 KiB higher" and _lower(192000) == "187.5 KiB lower"

@@ -157,8 +157,8 @@ class Rewrite:
             f"    logits avoided: {_fmt_bytes(self.forward_bytes_avoided)} in forward ({items(_FORWARD[:1])}"
             f"{returned}, {items(_FORWARD[1:])}), {_fmt_bytes(self.backward_bytes_avoided)} in backward "
             f"({items(_BACKWARD)})\n"
-            f"    peak memory: about {_fmt_bytes(peak['inductor'])} lower than plain Inductor's step (its "
-            f"fused loss holds one [N, V] buffer), {_fmt_bytes(peak['unfused'])} lower than an unfused "
+            f"    peak memory: about {_lower(peak['inductor'])} than plain Inductor's step (its "
+            f"fused loss holds one [N, V] buffer), {_lower(peak['unfused'])} than an unfused "
             "step's (eager, aot_eager: saved log-probabilities, "
             f"{items(['loss_grad'])} and logits gradient at once in backward), net of the tiles' "
             f"{_fmt_bytes(self.tile_buffer_bytes)}"
@@ -277,6 +277,13 @@ def graph_break_hint(reason: str) -> str:
     if "logging.Logger" in reason:
         return "add that logging method to torch._dynamo.config.ignore_logging_functions"
     return ""
+
+
+def _lower(n: int | str) -> str:
+    """``n`` bytes saved, said the right way round: a tiny batch's tiles can cost more than its logits."""
+    if isinstance(n, int) and n < 0:
+        return f"{_fmt_bytes(-n)} higher"
+    return f"{_fmt_bytes(n)} lower"
 
 
 def _fmt_bytes(n: int | str) -> str:
