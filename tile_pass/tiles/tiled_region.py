@@ -524,6 +524,12 @@ def _fake_grads(hidden, weight, bias, token_inputs, row_inputs, need: _Need) -> 
     ]
 
 
+def _resolved(call: str) -> tuple[RegionCall, RowProgram]:
+    """The record an op's ``call`` key stands for, and its region's program."""
+    plan = RegionCall.parse(call)
+    return plan, _region.lookup(plan.program)
+
+
 def _need(need: list[bool], row_inputs, token_inputs) -> _Need:
     return _Need.of(need, len(row_inputs), len(token_inputs))
 
@@ -546,8 +552,7 @@ def _row_region_loss(
     """``[loss, *grads, *outputs]`` (see :class:`RegionResult`): the gradients of the loss at
     unit upstream gradient, one per input in :class:`_Need` order (empty where not needed), the
     outputs flat over the tokens."""
-    plan = RegionCall.parse(call)
-    region = _region.lookup(plan.program)
+    plan, region = _resolved(call)
     _check_indices(region, token_inputs)
     # the token weights: d loss / d output, independent of the outputs (a linear reduction)
     tangents = token_weights(region, _zero_outputs(region, hidden), reduce_inputs)
@@ -564,7 +569,7 @@ def _row_region_loss(
 
 @_row_region_loss.register_fake
 def _(hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, *, call, need):
-    region = _region.lookup(RegionCall.parse(call).program)
+    region = _resolved(call)[1]
     loss = hidden.new_empty((), dtype=region.reduction.dtype)
     grads = _fake_grads(hidden, weight, bias, token_inputs, row_inputs, _need(need, row_inputs, token_inputs))
     return _flat_result(RegionResult(loss, grads, _fake_outputs(region, hidden)))
@@ -607,8 +612,7 @@ def _row_region(
     call: str,
 ) -> list[torch.Tensor]:
     """The outputs, flat over the tokens; nothing is differentiated in forward."""
-    plan = RegionCall.parse(call)
-    region = _region.lookup(plan.program)
+    plan, region = _resolved(call)
     _check_indices(region, token_inputs)
     rows = _skipped_rows(region, token_inputs, hidden, None, values=True)
     outputs, *_ = _run_tiles(
@@ -619,7 +623,7 @@ def _row_region(
 
 @_row_region.register_fake
 def _(hidden, weight, bias, token_inputs, row_inputs, *, call):
-    return _fake_outputs(_region.lookup(RegionCall.parse(call).program), hidden)
+    return _fake_outputs(_resolved(call)[1], hidden)
 
 
 @torch.library.custom_op("tile_pass::row_region_backward", mutates_args=())
@@ -636,8 +640,7 @@ def _row_region_backward(
 ) -> list[torch.Tensor]:
     """The vector-Jacobian product for the differentiable outputs' ``tangents`` (in order): one
     gradient per input in :class:`_Need` order."""
-    plan = RegionCall.parse(call)
-    region = _region.lookup(plan.program)
+    plan, region = _resolved(call)
     diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
     tangents = dict(zip(diff, tangents, strict=True))
     rows = _skipped_rows(region, token_inputs, hidden, tangents, values=False)
@@ -662,7 +665,7 @@ def _region_setup_context(ctx, inputs, keyword_only_inputs, output):
         tuple(t.requires_grad for t in token_inputs),
     )
     ctx.save_for_backward(hidden, weight, bias, *token_inputs, *row_inputs)
-    region = _region.lookup(RegionCall.parse(ctx.call).program)
+    ctx.region = region = _resolved(ctx.call)[1]
     ctx.diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
     ctx.mark_non_differentiable(*[o for i, o in enumerate(output) if i not in ctx.diff])
 
@@ -675,8 +678,7 @@ def _region_vjp(ctx, grads):
     token_inputs, row_inputs = rest[: ctx.counts[0]], rest[ctx.counts[0] :]
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     need = _Need(need_h, need_w, need_b and bias is not None, *ctx.input_needs)
-    region = _region.lookup(RegionCall.parse(ctx.call).program)
-    zeros = _zero_outputs(region, hidden)  # for the outputs whose gradient is unused
+    zeros = _zero_outputs(ctx.region, hidden)  # for the outputs whose gradient is unused
     tangents = [grads[i] if grads[i] is not None else zeros[i] for i in ctx.diff]
     result = _row_region_backward(
         tangents, hidden, weight, bias, list(token_inputs), list(row_inputs), call=ctx.call, need=need.flat()
@@ -710,7 +712,7 @@ def run_region(
             reduce_inputs,
         )  # fmt: skip
     hidden = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
-    region = _region.lookup(RegionCall.parse(call).program)
+    region = _resolved(call)[1]
     if region.reduction is None:
         return _row_region(hidden, weight, bias, token_inputs, row_inputs, call=call)
     grad_on = torch.is_grad_enabled()
