@@ -280,6 +280,9 @@ def _reduction_text(region, covered: set) -> str:
         eager = options["reduction"] if isinstance(options["reduction"], str) else None
     if region.program.reduction is not None:
         scalar = "one scalar loss (its gradient formed in forward)"
+        if not region.program.reduction.linear:
+            scalar = ("one scalar loss, nonlinear in the tokens' outputs (its gradient formed in forward, "
+                      "each tile holding the tokens the loss couples)")  # fmt: skip
         return f"{eager}: {scalar}" if eager else scalar
     return eager or "per-token outputs (gradient re-derived in backward)"
 

@@ -789,9 +789,18 @@ class RegionMatcher:
         return outputs
 
     def scalar_loss(self, outputs: list[RegionOutput]):
-        """Phase 4: the token reductions that end the differentiable outputs in one scalar, if
-        they are linear in them; ``(nodes, steps, sink, inputs, result)`` or None (the op then
-        derives the gradient in backward)."""
+        """Phase 4: the token reductions that end the differentiable outputs in one scalar;
+        ``(nodes, steps, sink, inputs, result, linear)`` or None (the op then derives the
+        gradient in backward). Reductions linear in the outputs are taken first (their gradient
+        does not depend on the outputs); otherwise any reduction of rule-known ops whose other
+        inputs need no gradient (the loop then evaluates that gradient at the outputs)."""
+        for linear in (True, False):
+            found = self._scalar_loss(outputs, linear)
+            if found is not None:
+                return (*found, linear)
+        return None
+
+    def _scalar_loss(self, outputs: list[RegionOutput], linear_only: bool):
         diff = [o for o in outputs if o.differentiable and o.shape.layout is not Layout.ROWS]
         if not diff:
             return None
@@ -819,14 +828,20 @@ class RegionMatcher:
                 env[out.node] = Ref(RefKind.VALUE, len(steps) - 1)
         except NoMatch:  # labels or class weights computed from the logits
             return None
-        linear = {o.node for o in outputs if o.differentiable}  # depends on a differentiable output
+        # linear: depends on a differentiable output (and, when linear_only, linearly)
+        linear = {o.node for o in outputs if o.differentiable or not linear_only}
         nodes = []
         for node in self.graph.nodes:
-            if node in env or not _linear_in(node, linear):
+            if node in env:
                 continue
-            if any(a in env and a not in linear for a in node.all_input_nodes):
-                # a factor computed from the logits (argmax, a count of correct tokens): the
-                # token weights, derived before the tiles run, would not know its value
+            if linear_only:
+                if not _linear_in(node, linear):
+                    continue
+                if any(a in env and a not in linear for a in node.all_input_nodes):
+                    # a factor computed from the logits (argmax, a count of correct tokens): the
+                    # token weights, derived before the tiles run, would not know its value
+                    continue
+            elif not _nonlinear_in(node, linear):
                 continue
             try:
                 args = [external(a) for a in node.args]
@@ -857,6 +872,15 @@ class RegionMatcher:
         operands = [external(a) for a in out.after_tiles.operands]
         args = (read, out.after_tiles.how, rows, out.flat_tokens, *operands)
         return [*steps, self.step(out.node, after_tiles, args)]
+
+
+def _nonlinear_in(node: torch.fx.Node, dependent: set[torch.fx.Node]) -> bool:
+    """Whether ``node`` may join a nonlinear scalar loss (phase 4): an op with a rule, not an
+    in-place method, reading a value that depends on the outputs."""
+    if not any(a in dependent for a in node.all_input_nodes) or _rules.rule_for(node) is None:
+        return False
+    spelled = spelling(node.target)
+    return not (spelled.inplace and isinstance(node.target, str))
 
 
 def _linear_in(node: torch.fx.Node, linear: set[torch.fx.Node]) -> bool:
@@ -947,7 +971,8 @@ def _build_region(matcher: RegionMatcher) -> RowRegion | None:
     if outputs is None:
         return None
     reduction = matcher.scalar_loss(outputs)
-    reduction_nodes, reduction_steps, sink, reduce_inputs, result = reduction or ([], (), None, [], None)
+    nothing = ([], (), None, [], None, True)
+    reduction_nodes, reduction_steps, sink, reduce_inputs, result, linear = reduction or nothing
     in_loss = set(reduction_nodes)
     steps_text = [matcher.head_form if matcher.autocast_dtype is None
                   else f"autocast({str(matcher.autocast_dtype)[6:]}) {matcher.head_form}"]  # fmt: skip
@@ -970,7 +995,7 @@ def _build_region(matcher: RegionMatcher) -> RowRegion | None:
                only_loss=o.node is sink or bool(in_loss) and all(u in in_loss for u in o.node.users))
         for o in outputs
     )  # fmt: skip
-    finish = ReductionProgram(tuple(reduction_steps), result, val(sink).dtype) if reduction else None
+    finish = ReductionProgram(tuple(reduction_steps), result, val(sink).dtype, linear) if reduction else None
     vocab_size, shard = int(matcher.vocab), None
     if matcher.shard is not None:
         if any(o.shape.layout is Layout.ROWS for o in outputs):

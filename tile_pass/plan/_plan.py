@@ -35,6 +35,9 @@ class TilePlan:
     schedule: WeightGradSchedule
     #: bytes of the ``[tile, V]`` buffers one token of a tile keeps alive (the byte model)
     bytes_per_token: int
+    #: tiles of whole coupled groups, sized to them (tile_pass.tiles._coupled_tiles), each
+    #: evaluating a nonlinear loss's gradient at its own outputs
+    coupled: bool = False
 
     @property
     def num_tiles(self) -> int:

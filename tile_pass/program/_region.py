@@ -203,14 +203,17 @@ def zero_where(step: Step, zeros_of: dict[int, Zeros | None], per_token: frozens
 
 @dataclass(frozen=True)
 class ReductionProgram:
-    """The token reductions from the region's per-token outputs to one scalar loss, when they
-    are linear in those outputs (sums, means, products with tensors that need no gradient):
-    then the loss's gradient with respect to each output does not depend on the outputs, so
-    the tiles form the whole gradient in forward, at unit upstream gradient."""
+    """The token reductions from the region's per-token outputs to one scalar loss. When they
+    are ``linear`` in those outputs (sums, means, products with tensors that need no gradient),
+    the loss's gradient with respect to each output does not depend on the outputs: the tiles
+    form the whole gradient in forward from token weights derived once. Otherwise that gradient
+    is evaluated at the outputs (:mod:`tile_pass.program._token_groups` says which tokens a tile
+    must hold together for it to be known in the tile)."""
 
     steps: tuple[Step, ...]  # its inputs: the region's outputs, flat, and its own ("reduce")
     result: int  # the value index of the scalar loss
     dtype: torch.dtype  # the loss's
+    linear: bool = True
 
 
 @dataclass(frozen=True)

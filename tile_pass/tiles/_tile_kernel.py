@@ -68,6 +68,9 @@ class TileKernelKey:
     #: class weights, class-probability targets); row gradients are summed over the tiles
     need_rows: tuple[bool, ...] = ()
     need_tokens: tuple[bool, ...] = ()
+    #: a tile of whole coupled groups (tile_pass.tiles._coupled_tiles): the batch's tokens and the
+    #: loss's own inputs (shape and dtype), from which the tile evaluates its tangents itself
+    coupled: tuple[int, tuple[RowPart, ...]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +97,7 @@ class TileInputs(NamedTuple):
     weight_grad_sum: tuple[Input, ...]  # FLOAT32: the sum; SPLIT: its two planes; DIRECT: none
     bias_grad_sum: Input | None
     row_grad_sums: tuple[Input, ...] = ()  # one per differentiated row input, in the accumulation dtype
+    coupled: tuple[Input, ...] = ()  # a coupled tile's token positions, then the loss's inputs
 
     def flat(self) -> list[Input]:
         # pytree.tree_leaves order, written out: this runs once per tile
@@ -107,6 +111,7 @@ class TileInputs(NamedTuple):
         if self.bias_grad_sum is not None:
             flat.append(self.bias_grad_sum)
         flat += self.row_grad_sums
+        flat += self.coupled
         return flat
 
 

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from tile_pass import _distributed
+from tile_pass._logging import log
 from tile_pass.plan import _plan, _weight_grad
 from tile_pass.plan._plan import RegionCall, plan_tiles
 from tile_pass.plan._tiling import TileSize, effective_tile
@@ -42,6 +43,7 @@ from tile_pass.program import _region
 from tile_pass.program._region import RowProgram
 from tile_pass.program._token_weights import token_weights
 from tile_pass.tiles import _tile_buffers
+from tile_pass.tiles._coupled_tiles import CoupledTiles, coupled_tiles, positions
 from tile_pass.tiles._higher_order import anchors, refuse_higher_order, scaled_by_upstream
 from tile_pass.tiles._tile_kernel import (
     TensorSpec,
@@ -71,7 +73,7 @@ def _input_spec(key: TileKernelKey, program: RowProgram) -> TileInputs:
         row_inputs=tuple(TensorSpec(shape, dtype) for shape, dtype in key.row_inputs),
         tangents=tuple(
             TensorSpec((T, *_region.row_part(program.outputs[i].layout, V)), program.outputs[i].dtype)
-            for i in key.tangents
+            for i in (key.tangents if key.coupled is None else ())
         ),
         weight_grad_sum=tuple(
             TensorSpec((V, H), d) for d in sum_dtypes.get(key.weight_grad, ()) if key.need_weight
@@ -84,7 +86,10 @@ def _input_spec(key: TileKernelKey, program: RowProgram) -> TileInputs:
             )
             if need
         ),
-    )
+        coupled=() if key.coupled is None else (
+            TensorSpec((T,), torch.int64), *(TensorSpec(shape, dtype) for shape, dtype in key.coupled[1])
+        ),
+    )  # fmt: skip
 
 
 def _joint(key: TileKernelKey, program: RowProgram):
@@ -104,10 +109,16 @@ def _joint(key: TileKernelKey, program: RowProgram):
             )
             row_inputs, token_inputs = rest[: len(need_rows)], rest[len(need_rows) :]
             outputs = _region.run_program(program, hidden, weight, bias, token_inputs, row_inputs)
+            tangents = list(inputs.tangents)
+            if key.coupled is not None and key.tangents:  # evaluated at this tile's own outputs
+                tangents = torch.ops.tile_pass.tile_tangents(
+                    [o.detach() for o in outputs], inputs.coupled[0], list(inputs.coupled[1:]),
+                    program=key.program, num_tokens=key.coupled[0], which=list(key.tangents),
+                )  # fmt: skip
             grads = [None] * len(wanted)
             if wanted and key.tangents:
                 grads = torch.autograd.grad(
-                    [outputs[i] for i in key.tangents], wanted, list(inputs.tangents), allow_unused=True
+                    [outputs[i] for i in key.tangents], wanted, tangents, allow_unused=True
                 )
         grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wanted, strict=True)]
         grad_hidden = grads.pop(0) if key.need_hidden else None
@@ -134,7 +145,9 @@ def _trace_program_kernel(key: TileKernelKey) -> torch.fx.GraphModule:
     def trace(key: TileKernelKey) -> torch.fx.GraphModule:
         return _without_detach(trace_fake(_joint(key, program), _input_spec(key, program), key.device))
 
-    return finish_tile_graph(trace(key), key, lambda rows: trace(dataclasses.replace(key, tile=rows)))
+    # a coupled tile's tangents read all its rows: its middle cannot run a block of rows at a time
+    retrace = None if key.coupled is not None else lambda rows: trace(dataclasses.replace(key, tile=rows))
+    return finish_tile_graph(trace(key), key, retrace)
 
 
 def _without_detach(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -388,39 +401,56 @@ def _run_tiles(
     need: _Need,
     keep_outputs: bool = True,
     rows: torch.Tensor | None = None,
+    coupled: tuple[CoupledTiles, list[torch.Tensor]] | None = None,
 ):
     """Every tile once; returns (outputs, grad hidden, grad weight, grad bias, row input grads,
     token input grads): each output flat over the tokens, the gradients of
     ``sum(tangent * output)`` (or ``None``). With ``rows`` (see :func:`_skipped_rows`) only those
-    tokens run, each tile gathering its rows; the others' outputs and per-token gradients are zero."""
+    tokens run, each tile gathering its rows; the others' outputs and per-token gradients are zero.
+    With ``coupled`` (tiles of whole coupled groups and the loss's inputs), the tiles run in its
+    order and bounds and evaluate the tangents of the differentiable outputs themselves."""
     need = need._replace(
         rows=need.rows or (False,) * len(row_inputs), tokens=need.tokens or (False,) * len(token_inputs)
     )
     # the traced tiles assume contiguous slices; a derived token weight can be a broadcast scalar
     tangents = {i: t.contiguous() for i, t in tangents.items()}
     token_inputs = [t.contiguous() for t in token_inputs]
+    if coupled is not None:
+        rows = coupled[0].order
     num_tokens = hidden.shape[0] if rows is None else rows.numel()
     tile_plan = plan_tiles(
         num_tokens, hidden.shape[0], call.tile, weight.shape, weight.dtype, weight.device, call.compile_tiles,
         need.weight,
     )  # fmt: skip
+    if coupled is not None:
+        tile_plan = dataclasses.replace(tile_plan, tile=coupled[0].tile, coupled=True)
     _plan.ran(tile_plan)
     key = _kernel_key(
         program, call, tile_plan, hidden, weight, bias, token_inputs, row_inputs, tangents, need
     )
+    if coupled is not None:
+        diff = tuple(i for i, out in enumerate(program.outputs) if out.differentiable)
+        key = dataclasses.replace(
+            key, tangents=diff if need.any() else (),
+            coupled=(hidden.shape[0], tuple((tuple(t.shape), t.dtype) for t in coupled[1])),
+        )  # fmt: skip
     tile = key.tile
     out = _Results.allocate(program, key, hidden, weight, token_inputs, row_inputs, need, num_tokens,
                             keep_outputs, rows)  # fmt: skip
     split = need.weight and key.weight_grad is WeightGradSchedule.SPLIT
     direct = need.weight and key.weight_grad is WeightGradSchedule.DIRECT
     whole = rows is None and num_tokens == tile
-    row_inputs, tangent_list = tuple(row_inputs), [tangents[i] for i in key.tangents]
+    row_inputs = tuple(row_inputs)
+    tangent_list = [tangents[i] for i in key.tangents] if coupled is None else []
+    bounds = coupled[0].bounds if coupled is not None else [
+        (start, min(tile, num_tokens - start)) for start in range(0, num_tokens, tile)
+    ]  # fmt: skip
     kernel = _per_tile(_program_kernel(key)) if num_tokens else None  # no tile, no trace (an empty batch)
-    for start in range(0, num_tokens, tile):
-        count = min(tile, num_tokens - start)
-        size = tile if count == tile else effective_tile(count, TileSize(tile))  # a short last tile: padded
-        if size != key.tile:
-            kernel = _per_tile(_program_kernel(dataclasses.replace(key, tile=size)))
+    kernel_size = key.tile
+    for start, count in bounds:
+        size = tile if count == tile else effective_tile(count, TileSize(tile))  # a short tile: padded
+        if size != kernel_size:
+            kernel, kernel_size = _per_tile(_program_kernel(dataclasses.replace(key, tile=size))), size
         picked, hidden_tile, token_tiles, tangent_tiles = _tile_rows(
             hidden, token_inputs, tangent_list, start, count, size, rows
         )
@@ -434,6 +464,7 @@ def _run_tiles(
             weight_grad_sum=out.weight_grad_sum,
             bias_grad_sum=out.bias_sum,
             row_grad_sums=out.row_sums,
+            coupled=() if coupled is None else (positions(picked, size), *coupled[1]),
         )
         last = split and start + count == num_tokens  # the last add of a split sum rounds it
         with _weight_grad.last_add(out.weight_grad_sum[0]) if last else contextlib.nullcontext():
@@ -554,17 +585,48 @@ def _row_region_loss(
     outputs flat over the tokens."""
     plan, region = _resolved(call)
     _check_indices(region, token_inputs)
-    # the token weights: d loss / d output, independent of the outputs (a linear reduction)
-    tangents = token_weights(region, _zero_outputs(region, hidden), reduce_inputs)
-    rows = _skipped_rows(region, token_inputs, hidden, tangents, values=True)
-    outputs, *grads = _run_tiles(
-        region, plan, hidden, weight, bias, token_inputs, row_inputs, tangents,
-        _need(need, row_inputs, token_inputs), rows=rows,
-    )  # fmt: skip
+    need = _need(need, row_inputs, token_inputs)
+    if region.reduction.linear:
+        # the token weights: d loss / d output, independent of the outputs (a linear reduction)
+        tangents = token_weights(region, _zero_outputs(region, hidden), reduce_inputs)
+        rows = _skipped_rows(region, token_inputs, hidden, tangents, values=True)
+        outputs, *grads = _run_tiles(
+            region, plan, hidden, weight, bias, token_inputs, row_inputs, tangents, need, rows=rows
+        )
+    else:
+        outputs, *grads = _nonlinear_loss_tiles(
+            region, plan, hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, need
+        )
     with _region.dispatch_as_caller():
         loss = _region.run_reduction(region.reduction, outputs, reduce_inputs, hidden.device.type)
     grads = _grads_as_returned(hidden, weight, bias, token_inputs, row_inputs, grads)
     return _flat_result(RegionResult(loss, grads, outputs))
+
+
+def _nonlinear_loss_tiles(region, plan, hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, need):
+    """The tiles of a loss nonlinear in the outputs: whole coupled groups per tile where their
+    sizes allow, each tile evaluating ``d loss / d output`` at its own outputs (three GEMMs per
+    token); otherwise the outputs first and the gradient at them in a second pass (four)."""
+    head = (region, plan, hidden, weight, bias, token_inputs, row_inputs)
+    rows = _skipped_rows(region, token_inputs, hidden, None, values=True)
+    if not need.any():
+        return _run_tiles(*head, {}, NO_GRADIENT, rows=rows)
+    num_rows = hidden.shape[0] if rows is None else rows.numel()
+    tile_plan = plan_tiles(
+        num_rows, hidden.shape[0], plan.tile, weight.shape, weight.dtype, weight.device, plan.compile_tiles,
+        need.weight,
+    )  # fmt: skip
+    shapes = _zero_outputs(region, hidden)
+    tiles = coupled_tiles(region, shapes, reduce_inputs, rows, tile_plan.tile, tile_plan.bytes_per_token)
+    how = "tiles of whole coupled groups" if tiles is not None else "two passes over the tiles"
+    log.debug("%s: a loss nonlinear in the outputs, %s", region.key, how)
+    if tiles is not None:
+        return _run_tiles(*head, {}, need, coupled=(tiles, list(reduce_inputs)))
+    outputs, *_ = _run_tiles(*head, {}, NO_GRADIENT, rows=rows)
+    tangents = token_weights(region, outputs, reduce_inputs)
+    rows = _skipped_rows(region, token_inputs, hidden, tangents, values=False)
+    _, *grads = _run_tiles(*head, tangents, need, keep_outputs=False, rows=rows)
+    return (outputs, *grads)
 
 
 @_row_region_loss.register_fake
