@@ -191,3 +191,38 @@ def dpo_split_narrow(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
         - F.logsigmoid(margin).mean()
         + 0.01 * (chosen.logsumexp(-1).mean() - rejected.logsumexp(-1).mean())
     )
+
+
+# ------------------------------------------------------------ one scalar, nonlinear in the tokens
+
+
+def dpo_loss_only(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
+    """DPO as a trainer's ``compute_loss`` returns it: one scalar, nothing else read."""
+    return dpo(x, w, b, y, ref_chosen, ref_rejected, beta)[0]
+
+
+def ipo_loss_only(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
+    """IPO: the squared distance of the length-averaged margin from ``1 / (2 beta)``."""
+    logits, half, _ = _concatenated(x, w, b, y)
+    logps = _batch_logps(logits, y, average=True)
+    margin = (logps[:half] - ref_chosen) - (logps[half:] - ref_rejected)
+    return ((margin - 1 / (2 * beta)) ** 2).mean()
+
+
+def orpo_loss_only(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
+    return orpo(x, w, b, y, ref_chosen, ref_rejected, beta)[0]
+
+
+def simpo_chunk_pairs(x, w, b, y, ref_chosen, ref_rejected, beta=2.0, gamma=0.5):
+    """SimPO with the halves taken by ``chunk`` and a hinge (``relu``) on the margin."""
+    logits, _, _ = _concatenated(x, w, b, y)
+    chosen, rejected = _batch_logps(logits, y, average=True).chunk(2)
+    return F.relu(gamma - beta * (chosen - rejected)).mean() - F.logsigmoid(beta * (chosen - rejected)).mean()
+
+
+def batch_softmax_weighted(x, w, b, y, ref_chosen, ref_rejected):
+    """Every sequence weighted by a softmax over the whole batch's log-probabilities: every token
+    is coupled to every other, so no tile can hold its group (two passes over the tiles)."""
+    logits, _, _ = _concatenated(x, w, b, y)
+    logps = _batch_logps(logits, y)
+    return -(logps.softmax(0) * logps).sum()

@@ -40,7 +40,16 @@ from tile_pass.match._fx import NoMatch, as_linear, describe, leading_index, sam
 from tile_pass.match._op_facts import FACTS, Linear, Selects, facts_for, spelling
 from tile_pass.match._rules import PREVIOUS_STEP, AfterTiles, Classified, RuleKind, Shape
 from tile_pass.program import _region
-from tile_pass.program._region import Layout, Output, ReductionProgram, Ref, RefKind, RowProgram, Step
+from tile_pass.program._region import (
+    Layout,
+    Output,
+    ReductionProgram,
+    Ref,
+    RefKind,
+    RowProgram,
+    Step,
+    target_name,
+)
 from tile_pass.program._token_layout import after_tiles, restore, select
 from tile_pass.report import source_line
 
@@ -874,11 +883,25 @@ class RegionMatcher:
         return [*steps, self.step(out.node, after_tiles, args)]
 
 
+#: ops that only take a tensor apart or put parts together: pure, so a nonlinear scalar loss may
+#: hold them even where a region may not (the loss is run once per tile)
+_LOSS_STRUCTURE = frozenset({
+    "chunk", "split", "tensor_split", "unbind", "cat", "concat", "concatenate", "stack", "flatten",
+    "unflatten", "movedim", "select", "index_select", "take_along_dim", "squeeze", "unsqueeze", "transpose",
+    "permute", "reshape", "view", "contiguous", "clone", "expand", "t", "narrow", "getitem",
+})  # fmt: skip
+
+
 def _nonlinear_in(node: torch.fx.Node, dependent: set[torch.fx.Node]) -> bool:
-    """Whether ``node`` may join a nonlinear scalar loss (phase 4): an op with a rule, not an
-    in-place method, reading a value that depends on the outputs."""
-    if not any(a in dependent for a in node.all_input_nodes) or _rules.rule_for(node) is None:
+    """Whether ``node`` may join a nonlinear scalar loss (phase 4): an op with a rule or one that
+    takes tensors apart or together, not an in-place method, reading a value that depends on
+    the outputs."""
+    if node.op not in ("call_function", "call_method") or not any(
+        a in dependent for a in node.all_input_nodes
+    ):
         return False
+    if _rules.rule_for(node) is None:
+        return target_name(node.target) in _LOSS_STRUCTURE
     spelled = spelling(node.target)
     return not (spelled.inplace and isinstance(node.target, str))
 

@@ -35,13 +35,13 @@ class TilePlan:
     schedule: WeightGradSchedule
     #: bytes of the ``[tile, V]`` buffers one token of a tile keeps alive (the byte model)
     bytes_per_token: int
-    #: tiles of whole coupled groups, sized to them (tile_pass.tiles._coupled_tiles), each
-    #: evaluating a nonlinear loss's gradient at its own outputs
-    coupled: bool = False
+    #: how many tiles of whole coupled groups ran (tile_pass.tiles._coupled_tiles), each evaluating
+    #: a nonlinear loss's gradient at its own outputs; 0: tiles of ``tile`` tokens in order
+    coupled: int = 0
 
     @property
     def num_tiles(self) -> int:
-        return -(-self.rows // self.tile)
+        return self.coupled or -(-self.rows // self.tile)
 
     @property
     def tile_bytes(self) -> int:

@@ -36,7 +36,7 @@ class CoupledTiles(NamedTuple):
 
     order: torch.Tensor  # int64: the tokens the tiles run, each group's together
     bounds: tuple[tuple[int, int], ...]  # (start, count) in ``order``, whole groups each
-    tile: int  # the largest tile's padded rows
+    tile: int  # the tiles' rows: the plan's, or a padded size that holds the largest group
 
 
 def coupled_tiles(
@@ -67,7 +67,7 @@ def coupled_tiles(
     largest = int(sizes.max())
     if largest > max(2 * tile, COUPLED_TILE_BYTES // max(bytes_per_token, 1)):
         return None
-    cap = max(tile, largest)
+    cap = tile if largest <= tile else padded_rows(largest)
     bounds, start, count = [], 0, 0
     for size in sizes[torch.argsort(first)].tolist():
         if count + size > cap:
@@ -76,7 +76,7 @@ def coupled_tiles(
         count += size
     bounds.append((start, count))
     device = rows.device if rows is not None else outputs[0].device
-    return CoupledTiles(order.to(device), tuple(bounds), cap if cap == tile else padded_rows(cap))
+    return CoupledTiles(order.to(device), tuple(bounds), cap)
 
 
 def positions(picked: torch.Tensor, size: int) -> torch.Tensor:

@@ -200,7 +200,9 @@ def _skipped_rows(program: RowProgram, token_inputs, hidden, weights: dict | Non
     or reaches the loss with a zero token weight (``weights``, by output; only outputs read by
     the loss alone, or any output when ``values`` are not needed). Its outputs are then zero
     and it adds nothing to any gradient. A product with a zero mask or a zero weight is zero
-    only where the logits are finite, so those skips also need finite hidden states there."""
+    only where the logits are finite, so those skips also need finite hidden states there; and
+    a zero output times a non-finite token weight (a mean over no labelled token) is NaN in
+    eager's gradient, so such a token runs."""
     if hidden.device.type != "cpu" or hidden.shape[0] == 0:
         return None
     skip, exact = None, True
@@ -219,6 +221,9 @@ def _skipped_rows(program: RowProgram, token_inputs, hidden, weights: dict | Non
         if here is None:
             return None
         skip = here if skip is None else skip & here
+    if skip is not None and weights:
+        for weight in weights.values():
+            skip &= torch.isfinite(weight.reshape(hidden.shape[0], -1)).all(-1)
     if skip is None or not skip.any():
         return None
     if not exact and not torch.isfinite(hidden[skip]).all():
@@ -423,7 +428,7 @@ def _run_tiles(
         need.weight,
     )  # fmt: skip
     if coupled is not None:
-        tile_plan = dataclasses.replace(tile_plan, tile=coupled[0].tile, coupled=True)
+        tile_plan = dataclasses.replace(tile_plan, tile=coupled[0].tile, coupled=len(coupled[0].bounds))
     _plan.ran(tile_plan)
     key = _kernel_key(
         program, call, tile_plan, hidden, weight, bias, token_inputs, row_inputs, tangents, need
@@ -621,12 +626,26 @@ def _nonlinear_loss_tiles(region, plan, hidden, weight, bias, token_inputs, row_
     how = "tiles of whole coupled groups" if tiles is not None else "two passes over the tiles"
     log.debug("%s: a loss nonlinear in the outputs, %s", region.key, how)
     if tiles is not None:
+        result = _run_tiles(*head, {}, need, coupled=(tiles, list(reduce_inputs)))
+        if rows is None or _finite_where_skipped(region, result[0], reduce_inputs, rows):
+            return result
+        # a token left out reaches the loss with a non-finite weight: in eager its gradient is
+        # NaN (zero times NaN), so every token runs
+        tiles = coupled_tiles(region, shapes, reduce_inputs, None, tile_plan.tile, tile_plan.bytes_per_token)
         return _run_tiles(*head, {}, need, coupled=(tiles, list(reduce_inputs)))
     outputs, *_ = _run_tiles(*head, {}, NO_GRADIENT, rows=rows)
     tangents = token_weights(region, outputs, reduce_inputs)
     rows = _skipped_rows(region, token_inputs, hidden, tangents, values=False)
     _, *grads = _run_tiles(*head, tangents, need, keep_outputs=False, rows=rows)
     return (outputs, *grads)
+
+
+def _finite_where_skipped(region, outputs, reduce_inputs, rows) -> bool:
+    """Whether ``d loss / d output`` is finite at every token the tiles left out."""
+    skipped = torch.ones(outputs[0].shape[0], dtype=torch.bool, device=outputs[0].device)
+    skipped[rows] = False
+    weights = token_weights(region, outputs, reduce_inputs)
+    return all(bool(torch.isfinite(w.expand(outputs[i].shape)[skipped]).all()) for i, w in weights.items())
 
 
 @_row_region_loss.register_fake
