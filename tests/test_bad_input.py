@@ -496,3 +496,36 @@ def table() -> str:
 
 if __name__ == "__main__":
     print(table())
+
+
+def _masked_mean(h, w, y):
+    """A hand-written masked mean: over no labelled token it is 0/0, and eager's gradient is NaN
+    at every token (zero times the NaN weight), unlike ``F.cross_entropy``'s (zero)."""
+    logits = (h @ w.t()).float()
+    mask = y != -100
+    logps = logits.log_softmax(-1).gather(-1, torch.where(mask, y, 0).unsqueeze(-1)).squeeze(-1)
+    return -(logps * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ignored", ["all", "some"])
+def test_all_ignored_masked_mean_is_nan_as_eager(device, ignored):
+    """Skipped tokens (a zero mask) run where their loss weight is not finite, so the gradient
+    is eager's NaN, not zero; with some labels the skip stands and the result is finite."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(12, 8, generator=g).to(device).requires_grad_()
+    w = torch.randn(16, 8, generator=g).to(device).requires_grad_()
+    y = torch.full((12,), -100, device=device)
+    if ignored == "some":
+        y[3] = 5
+    torch._dynamo.reset()
+    backend = tile_pass.backend("aot_eager", tile_tokens=4, strict=True)
+    results = []
+    for fn in (_masked_mean, torch.compile(_masked_mean, backend=backend)):
+        loss = fn(h, w, y)
+        results.append((loss, *torch.autograd.grad(loss, [h, w])))
+    assert len(backend.report().rewrites) == 1
+    for got, eager in zip(results[1], results[0], strict=True):
+        assert torch.equal(got.isnan(), eager.isnan())
+        torch.testing.assert_close(got, eager, equal_nan=True)
+    assert results[0][1].isnan().all() == (ignored == "all")
