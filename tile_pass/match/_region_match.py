@@ -818,6 +818,8 @@ class RegionMatcher:
         inputs: list[torch.fx.Node] = [self.hidden]  # the hidden states: for their token shape only
 
         def external(arg):
+            if isinstance(arg, (list, tuple)):  # torch.cat's tensors
+                return type(arg)(external(a) for a in arg)
             if not isinstance(arg, torch.fx.Node):
                 if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                     raise NoMatch("dynamic scalar")
