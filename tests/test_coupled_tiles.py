@@ -190,3 +190,30 @@ def test_no_grad_runs_one_pass():
         loss = fn(*params, y, *ref)
     torch.testing.assert_close(loss, L.dpo_loss_only(*params, y, *ref))
     assert [bool(p.coupled) for p in plans] == [False]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("metrics_backward", [False, True])
+def test_metrics_beside_the_loss(device, metrics_backward):
+    """DPO that also returns a metric of each half's logits (``logits[:B].mean()``): the loss's
+    gradient is formed in coupled tiles in forward; a metric's own gradient, where one arrives,
+    is a re-run of the tiles in backward. Where none arrives (``loss.backward()``), the re-run
+    has no token to run (on the CPU: every tangent is zero)."""
+    params, y, ref = _data(device, torch.float64)
+    fn, _ = _compiled("dpo")
+
+    def step(f):
+        leaves = [p.detach().requires_grad_() for p in params]
+        loss, chosen, rejected = f(leaves[0], leaves[1], leaves[2], y, *ref)
+        total = loss + (0.5 * chosen - 2.0 * rejected if metrics_backward else 0.0)
+        return loss.detach(), torch.autograd.grad(total, leaves)
+
+    with _plan.recorded() as plans:
+        loss, grads = step(fn)
+    oracle_loss, oracle_grads = step(L.dpo)
+    torch.testing.assert_close(loss, oracle_loss)
+    for grad, oracle in zip(grads, oracle_grads, strict=True):
+        torch.testing.assert_close(grad, oracle)
+    assert plans[0].coupled
+    if device == "cpu":
+        assert plans[1].rows == (B2 * T if metrics_backward else 0)

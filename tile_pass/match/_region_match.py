@@ -863,8 +863,14 @@ class RegionMatcher:
             env[node] = Ref(RefKind.VALUE, len(steps) - 1)
             linear.add(node)
             nodes.append(node)
-        members = set(nodes) | {o.node for o in diff}
-        sinks = [n for n in [o.node for o in diff] + nodes if any(u not in members for u in n.users)]
+        if nodes:  # the loss is the one reduction node read outside them; an output may be read
+            # outside too (a metric of the logits, per-token log-probs returned for logging): it
+            # stays differentiable, its gradient re-run in backward where one arrives
+            members = set(nodes)
+            sinks = [n for n in nodes if any(u not in members for u in n.users)]
+        else:  # the loss is an output itself (a folded mean cross entropy)
+            members = {o.node for o in diff}
+            sinks = [n for n in members if any(u not in members for u in n.users)]
         sink_val = val(sinks[0]) if len(sinks) == 1 else None
         if sink_val is None or sink_val.dim() != 0 or not sink_val.requires_grad:
             return None

@@ -660,9 +660,18 @@ def _loss_setup_context(ctx, inputs, keyword_only_inputs, output):
     hidden, weight, bias, token_inputs, row_inputs, reduce_inputs = inputs
     ctx.need = _need(keyword_only_inputs["need"], row_inputs, token_inputs)
     ctx.counts = (len(token_inputs), len(row_inputs), len(reduce_inputs))
+    ctx.call = keyword_only_inputs["call"]
+    region = _resolved(ctx.call)[1]
     result = unflatten(output, len(ctx.need.flat()), loss=True)
-    ctx.save_for_backward(*result.grads, *anchors(hidden, weight, bias, *row_inputs, *token_inputs))
-    ctx.mark_non_differentiable(*result.outputs)
+    # outputs read outside the loss too (a metric of the logits): differentiable, their gradient
+    # the tiles' re-run in backward, only where one arrives
+    ctx.diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
+    ctx.free = [i for i in ctx.diff if not region.outputs[i].only_loss]
+    kept = (hidden, weight, bias, *token_inputs, *row_inputs) if ctx.free else ()
+    ctx.num_kept = len(kept)
+    ctx.save_for_backward(*result.grads, *kept, *anchors(hidden, weight, bias, *row_inputs, *token_inputs))
+    ctx.mark_non_differentiable(*(o for i, o in enumerate(result.outputs) if i not in ctx.free))
+    ctx.set_materialize_grads(False)
 
 
 def _loss_vjp(ctx, grads):
@@ -670,8 +679,29 @@ def _loss_vjp(ctx, grads):
     # gradient; the loss is a scalar, so the chain rule scales them by the incoming gradient.
     saved = ctx.saved_tensors
     need = ctx.need.flat()
-    scaled = scaled_by_upstream(saved[: len(need)], grads[0], need, saved[len(need) :])
+    num_grads = len(need)
+    loss_grads, kept = saved[:num_grads], saved[num_grads : num_grads + ctx.num_kept]
+    anchored = saved[num_grads + ctx.num_kept :]
     tokens, rows, reduce = ctx.counts
+    if grads[0] is not None:
+        scaled = scaled_by_upstream(loss_grads, grads[0], need, anchored)
+    else:
+        refuse_higher_order()
+        scaled = [None] * num_grads
+    outputs = grads[1 + num_grads :]
+    arrived = [i for i in ctx.free if outputs[i] is not None]
+    if arrived:  # the outputs' own gradients: a re-run of the tiles, as the per-token op's backward
+        hidden, weight, bias, *rest = kept
+        token_inputs, row_inputs = list(rest[:tokens]), list(rest[tokens:])
+        zeros = _zero_outputs(_resolved(ctx.call)[1], hidden)
+        tangents = [outputs[i] if i in arrived else zeros[i] for i in ctx.diff]
+        more = _row_region_backward(
+            tangents, hidden, weight, bias, token_inputs, row_inputs, call=ctx.call, need=need
+        )
+        scaled = [
+            (a if b is None or not n else b if a is None else a + b)
+            for a, b, n in zip(scaled, more, need, strict=True)
+        ]
     row_grads, token_grads = scaled[3 : 3 + rows], scaled[3 + rows :]
     return (*scaled[:3], list(token_grads), list(row_grads), [None] * reduce)
 
