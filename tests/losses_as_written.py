@@ -226,3 +226,20 @@ def batch_softmax_weighted(x, w, b, y, ref_chosen, ref_rejected):
     logits, _, _ = _concatenated(x, w, b, y)
     logps = _batch_logps(logits, y)
     return -(logps.softmax(0) * logps).sum()
+
+
+def worst_pair(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
+    """Only the worst pair's margin counts (``max`` over the pairs): every pair is coupled to
+    every other through the comparison, so no tile may hold less than the batch."""
+    logits, half, _ = _concatenated(x, w, b, y)
+    logps = _batch_logps(logits, y)
+    return -F.logsigmoid(beta * (logps[:half] - logps[half:])).min()
+
+
+def chosen_gate(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
+    """A term switched by a comparison of each pair's own log-probabilities (``torch.where``):
+    piecewise, so its gradient depends on the pair's values; pairs stay apart."""
+    logits, half, _ = _concatenated(x, w, b, y)
+    logps = _batch_logps(logits, y)
+    margin = logps[:half] - logps[half:]
+    return torch.where(margin > 0, margin * 0.1, -F.logsigmoid(beta * margin)).sum()

@@ -30,6 +30,8 @@ FORMS = [
     ("orpo_loss_only", True),
     ("simpo_chunk_pairs", True),
     ("batch_softmax_weighted", False),
+    ("worst_pair", False),
+    ("chosen_gate", True),
 ]
 #: forms that average over a sequence's labelled tokens: an empty sequence makes them NaN
 AVERAGED = {"ipo_loss_only", "orpo_loss_only", "simpo_chunk_pairs"}
@@ -105,8 +107,22 @@ def test_an_empty_averaged_sequence_is_nan_as_in_eager(device):
         torch.testing.assert_close(grad, eager, equal_nan=True)
 
 
-def test_dpo_groups_are_its_pairs(monkeypatch):
-    """Sequence ``b`` and its partner ``b + B`` form one group; nothing else is joined."""
+_SEQUENCE = torch.arange(B2 * T) // T
+#: which tokens each loss couples: DPO-like losses a sequence with its partner, KTO a sequence
+#: alone, a softmax or a min over the batch everything
+COUPLED = {
+    "dpo_loss_only": _SEQUENCE % (B2 // 2),
+    "ipo_loss_only": _SEQUENCE % (B2 // 2),
+    "chosen_gate": _SEQUENCE % (B2 // 2),
+    "kto": _SEQUENCE,
+    "batch_softmax_weighted": torch.zeros(B2 * T, dtype=torch.int64),
+    "worst_pair": torch.zeros(B2 * T, dtype=torch.int64),
+}
+
+
+@pytest.mark.parametrize("name", COUPLED)
+def test_the_groups_found(name, monkeypatch):
+    """The groups are exactly the tokens each loss couples, no more and no fewer."""
     found = []
 
     def recorded(program, outputs, inputs):
@@ -115,11 +131,11 @@ def test_dpo_groups_are_its_pairs(monkeypatch):
 
     monkeypatch.setattr(_coupled_tiles, "token_groups", recorded)
     params, y, ref = _data("cpu", torch.float64)
-    fn, _ = _compiled("dpo_loss_only")
+    fn, _ = _compiled(name)
     _step(fn, params, y, ref)
-    (groups,) = found
-    pair = torch.arange(B2 * T) // T % (B2 // 2)
-    assert torch.equal(groups[:, None] == groups[None, :], pair[:, None] == pair[None, :])
+    groups = found[0]  # (IPO's empty sequence asks twice: see the NaN test)
+    expected = COUPLED[name]
+    assert torch.equal(groups[:, None] == groups[None, :], expected[:, None] == expected[None, :])
 
 
 def test_the_groups_carry_the_gradient(monkeypatch):

@@ -5,7 +5,8 @@ false), :func:`coupled_tiles` orders the tokens so that each group
 :func:`tile_pass.program._token_groups.token_groups` found (a chosen sequence and its rejected
 partner) lies in one tile, and packs whole groups into tiles. Each such tile evaluates
 ``d loss / d output`` at its own outputs inside the traced tile function, through
-``tile_pass::tile_tangents``: the tile's outputs are placed among zeros at their tokens and the
+``tile_pass::tile_tangents`` (the loss and the batch come from the running loop, so the traced
+tile holds no batch size): the tile's outputs are placed among zeros at their tokens and the
 reduction's derived gradient (:func:`tile_pass.program._token_weights.token_weights`) is read
 back at those tokens. The values at the other tokens do not matter, because no token of the
 tile is coupled to them. The tile then forms its share of every gradient in forward, with the
@@ -17,6 +18,8 @@ caller runs the tiles twice instead (outputs first, then the gradient at them): 
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import NamedTuple
 
 import torch
@@ -86,38 +89,63 @@ def positions(picked: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
+class _Loop(NamedTuple):
+    """What every tile of the running coupled loop shares, kept out of the traced tile function
+    (whose key then holds no batch size: a new sequence length traces and compiles nothing)."""
+
+    program: _region.RowProgram
+    num_tokens: int
+    reduce_inputs: list[torch.Tensor]
+
+
+_running = threading.local()
+
+
+@contextlib.contextmanager
+def running(program: _region.RowProgram, num_tokens: int, reduce_inputs: list[torch.Tensor]):
+    """While a coupled loop's tiles run on this thread: what ``tile_pass::tile_tangents`` reads."""
+    outer = getattr(_running, "loop", None)
+    _running.loop = _Loop(program, num_tokens, reduce_inputs)
+    try:
+        yield
+    finally:
+        _running.loop = outer
+
+
 @torch.library.custom_op("tile_pass::tile_tangents", mutates_args=())
 def _tile_tangents(
-    outputs: list[torch.Tensor],
-    positions: torch.Tensor,
-    reduce_inputs: list[torch.Tensor],
-    *,
-    program: str,
-    num_tokens: int,
-    which: list[int],
+    outputs: list[torch.Tensor], positions: torch.Tensor, which: list[int]
 ) -> list[torch.Tensor]:
     """``d loss / d output`` at a tile's tokens (``positions``; ``-1``: a padding row, zero), for
     outputs ``which``, from the tile's ``outputs`` alone: they are placed among zeros at their
     tokens and the loss's derived gradient read back there. Exact when the tile holds every
-    token its tokens are coupled to (:func:`coupled_tiles`)."""
-    region = _region.lookup(program)
+    token its tokens are coupled to (:func:`coupled_tiles`). The loss and the batch are the
+    running loop's (:func:`running`)."""
+    loop = getattr(_running, "loop", None)
+    if loop is None:
+        raise RuntimeError("tile_pass::tile_tangents runs only inside a coupled tile loop")
+    num_tokens = loop.num_tokens
+    # padding rows write to one spare row past the tokens and read a zero tangent: no boolean
+    # indexing, which would wait for the device
     real = positions >= 0
-    tokens = positions[real]
+    rows = torch.where(real, positions, num_tokens)
     full = []
     for out in outputs:
-        whole = out.new_zeros((num_tokens, *out.shape[1:]))
-        whole[tokens] = out[real]
-        full.append(whole)
-    weights = token_weights(region, full, reduce_inputs)
+        whole = out.new_zeros((num_tokens + 1, *out.shape[1:]))
+        whole.index_copy_(0, rows, out)
+        full.append(whole[:num_tokens])
+    weights = token_weights(loop.program, full, loop.reduce_inputs)
     tangents = []
     for i in which:
-        tangent = torch.zeros_like(outputs[i])
-        if i in weights:
-            tangent[real] = weights[i].expand(full[i].shape)[tokens].to(tangent.dtype)
-        tangents.append(tangent)
+        if i not in weights:
+            tangents.append(torch.zeros_like(outputs[i]))
+            continue
+        weight = weights[i].expand(full[i].shape)
+        picked = weight.index_select(0, positions.clamp(min=0)).to(outputs[i].dtype)
+        tangents.append(torch.where(real.view(-1, *[1] * (picked.dim() - 1)), picked, 0))
     return tangents
 
 
 @_tile_tangents.register_fake
-def _(outputs, positions, reduce_inputs, *, program, num_tokens, which):
+def _(outputs, positions, which):
     return [torch.empty_like(outputs[i]) for i in which]

@@ -68,9 +68,9 @@ class TileKernelKey:
     #: class weights, class-probability targets); row gradients are summed over the tiles
     need_rows: tuple[bool, ...] = ()
     need_tokens: tuple[bool, ...] = ()
-    #: a tile of whole coupled groups (tile_pass.tiles._coupled_tiles): the batch's tokens and the
-    #: loss's own inputs (shape and dtype), from which the tile evaluates its tangents itself
-    coupled: tuple[int, tuple[RowPart, ...]] | None = None
+    #: a tile of whole coupled groups (tile_pass.tiles._coupled_tiles), which evaluates its
+    #: tangents itself, at its tokens' positions
+    coupled: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,7 @@ class TileInputs(NamedTuple):
     weight_grad_sum: tuple[Input, ...]  # FLOAT32: the sum; SPLIT: its two planes; DIRECT: none
     bias_grad_sum: Input | None
     row_grad_sums: tuple[Input, ...] = ()  # one per differentiated row input, in the accumulation dtype
-    coupled: tuple[Input, ...] = ()  # a coupled tile's token positions, then the loss's inputs
+    coupled: tuple[Input, ...] = ()  # a coupled tile's token positions
 
     def flat(self) -> list[Input]:
         # pytree.tree_leaves order, written out: this runs once per tile

@@ -43,7 +43,7 @@ from tile_pass.program import _region
 from tile_pass.program._region import RowProgram
 from tile_pass.program._token_weights import token_weights
 from tile_pass.tiles import _tile_buffers
-from tile_pass.tiles._coupled_tiles import CoupledTiles, coupled_tiles, positions
+from tile_pass.tiles._coupled_tiles import CoupledTiles, coupled_tiles, positions, running
 from tile_pass.tiles._higher_order import anchors, refuse_higher_order, scaled_by_upstream
 from tile_pass.tiles._tile_kernel import (
     TensorSpec,
@@ -73,7 +73,7 @@ def _input_spec(key: TileKernelKey, program: RowProgram) -> TileInputs:
         row_inputs=tuple(TensorSpec(shape, dtype) for shape, dtype in key.row_inputs),
         tangents=tuple(
             TensorSpec((T, *_region.row_part(program.outputs[i].layout, V)), program.outputs[i].dtype)
-            for i in (key.tangents if key.coupled is None else ())
+            for i in (key.tangents if not key.coupled else ())
         ),
         weight_grad_sum=tuple(
             TensorSpec((V, H), d) for d in sum_dtypes.get(key.weight_grad, ()) if key.need_weight
@@ -86,9 +86,7 @@ def _input_spec(key: TileKernelKey, program: RowProgram) -> TileInputs:
             )
             if need
         ),
-        coupled=() if key.coupled is None else (
-            TensorSpec((T,), torch.int64), *(TensorSpec(shape, dtype) for shape, dtype in key.coupled[1])
-        ),
+        coupled=(TensorSpec((T,), torch.int64),) if key.coupled else (),
     )  # fmt: skip
 
 
@@ -110,11 +108,10 @@ def _joint(key: TileKernelKey, program: RowProgram):
             row_inputs, token_inputs = rest[: len(need_rows)], rest[len(need_rows) :]
             outputs = _region.run_program(program, hidden, weight, bias, token_inputs, row_inputs)
             tangents = list(inputs.tangents)
-            if key.coupled is not None and key.tangents:  # evaluated at this tile's own outputs
+            if key.coupled and key.tangents:  # evaluated at this tile's own outputs
                 tangents = torch.ops.tile_pass.tile_tangents(
-                    [o.detach() for o in outputs], inputs.coupled[0], list(inputs.coupled[1:]),
-                    program=key.program, num_tokens=key.coupled[0], which=list(key.tangents),
-                )  # fmt: skip
+                    [o.detach() for o in outputs], inputs.coupled[0], list(key.tangents)
+                )
             grads = [None] * len(wanted)
             if wanted and key.tangents:
                 grads = torch.autograd.grad(
@@ -146,7 +143,7 @@ def _trace_program_kernel(key: TileKernelKey) -> torch.fx.GraphModule:
         return _without_detach(trace_fake(_joint(key, program), _input_spec(key, program), key.device))
 
     # a coupled tile's tangents read all its rows: its middle cannot run a block of rows at a time
-    retrace = None if key.coupled is not None else lambda rows: trace(dataclasses.replace(key, tile=rows))
+    retrace = None if key.coupled else lambda rows: trace(dataclasses.replace(key, tile=rows))
     return finish_tile_graph(trace(key), key, retrace)
 
 
@@ -435,10 +432,7 @@ def _run_tiles(
     )
     if coupled is not None:
         diff = tuple(i for i, out in enumerate(program.outputs) if out.differentiable)
-        key = dataclasses.replace(
-            key, tangents=diff if need.any() else (),
-            coupled=(hidden.shape[0], tuple((tuple(t.shape), t.dtype) for t in coupled[1])),
-        )  # fmt: skip
+        key = dataclasses.replace(key, tangents=diff if need.any() else (), coupled=True)
     tile = key.tile
     out = _Results.allocate(program, key, hidden, weight, token_inputs, row_inputs, need, num_tokens,
                             keep_outputs, rows)  # fmt: skip
@@ -452,32 +446,34 @@ def _run_tiles(
     ]  # fmt: skip
     kernel = _per_tile(_program_kernel(key)) if num_tokens else None  # no tile, no trace (an empty batch)
     kernel_size = key.tile
-    for start, count in bounds:
-        size = tile if count == tile else effective_tile(count, TileSize(tile))  # a short tile: padded
-        if size != kernel_size:
-            kernel, kernel_size = _per_tile(_program_kernel(dataclasses.replace(key, tile=size))), size
-        picked, hidden_tile, token_tiles, tangent_tiles = _tile_rows(
-            hidden, token_inputs, tangent_list, start, count, size, rows
-        )
-        inputs = TileInputs(
-            hidden=hidden_tile,
-            weight=weight,
-            bias=bias,
-            token_inputs=token_tiles,
-            row_inputs=row_inputs,
-            tangents=tangent_tiles,
-            weight_grad_sum=out.weight_grad_sum,
-            bias_grad_sum=out.bias_sum,
-            row_grad_sums=out.row_sums,
-            coupled=() if coupled is None else (positions(picked, size), *coupled[1]),
-        )
-        last = split and start + count == num_tokens  # the last add of a split sum rounds it
-        with _weight_grad.last_add(out.weight_grad_sum[0]) if last else contextlib.nullcontext():
-            result = list(kernel(*inputs.flat()))
-        if direct:
-            out.grad_weight = result.pop()
-        out.store(result, start, count, picked, len(program.outputs), need, whole)
-        del inputs, result, hidden_tile, token_tiles, tangent_tiles  # before the next tile's are made
+    loop = contextlib.nullcontext() if coupled is None else running(program, hidden.shape[0], coupled[1])
+    with loop:
+        for start, count in bounds:
+            size = tile if count == tile else effective_tile(count, TileSize(tile))  # a short tile: padded
+            if size != kernel_size:
+                kernel, kernel_size = _per_tile(_program_kernel(dataclasses.replace(key, tile=size))), size
+            picked, hidden_tile, token_tiles, tangent_tiles = _tile_rows(
+                hidden, token_inputs, tangent_list, start, count, size, rows
+            )
+            inputs = TileInputs(
+                hidden=hidden_tile,
+                weight=weight,
+                bias=bias,
+                token_inputs=token_tiles,
+                row_inputs=row_inputs,
+                tangents=tangent_tiles,
+                weight_grad_sum=out.weight_grad_sum,
+                bias_grad_sum=out.bias_sum,
+                row_grad_sums=out.row_sums,
+                coupled=() if coupled is None else (positions(picked, size),),
+            )
+            last = split and start + count == num_tokens  # the last add of a split sum rounds it
+            with _weight_grad.last_add(out.weight_grad_sum[0]) if last else contextlib.nullcontext():
+                result = list(kernel(*inputs.flat()))
+            if direct:
+                out.grad_weight = result.pop()
+            out.store(result, start, count, picked, len(program.outputs), need, whole)
+            del inputs, result, hidden_tile, token_tiles, tangent_tiles  # before the next tile's are made
     return out.finish(program, call, hidden, weight, need)
 
 
