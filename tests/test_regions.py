@@ -104,10 +104,11 @@ FORMS = [ce_z_loss, ce_accuracy, entropy_bonus, grpo_log_softmax_gather, selecti
 #: the forms whose differentiable outputs end in one scalar through linear token reductions
 # DPO's logsigmoid is not linear, but the margin it is taken of is: the op forms the margin's
 # gradient in forward and the logsigmoid scales it, by the chain rule (slices of the per-sequence
-# sums, sums[0] - sums[1] + sums[2], are linear steps)
+# sums, sums[0] - sums[1] + sums[2], are linear steps). flat_tokens also returns its per-token
+# log-sum-exps: the loss is formed in forward all the same, the returned values' gradient in backward
 SCALAR_LOSS = {ce_z_loss, ce_accuracy, entropy_bonus, grpo_log_softmax_gather, selective_log_softmax,
                dpo_sigmoid, kl_to_teacher, kl_written_out, bias_in_place_returned,
-               scaled_by_accuracy}  # fmt: skip
+               scaled_by_accuracy, flat_tokens}  # fmt: skip
 
 
 def _labels(kind: str, device) -> torch.Tensor:

@@ -31,6 +31,7 @@ import operator
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 from tile_pass.match._op_facts import facts_for
 
@@ -143,6 +144,14 @@ def shard_nll_loss(x, target, *, group_name, vocab_start, ignore_index, reductio
     index = torch.where(target == ignore_index, 0, target).unsqueeze(-1)
     picked = _owned_gather(x, index, vocab_start, group_name).squeeze(-1)
     return torch.where(target != ignore_index, -picked, torch.zeros_like(picked))
+
+
+def shard_kl_div(x, target, *, group_name, reduction, log_target=False):
+    """``kl_div`` as region steps take it (``reduction='none'``, the row sum a step of its own):
+    elementwise, so each rank's columns alone; the row sum after it is group-wide."""
+    if reduction != "none":
+        raise ValueError(f"a region's kl_div step is per element, not reduction={reduction!r}")
+    return F.kl_div(x, target, reduction="none", log_target=log_target)
 
 
 def shard_elementwise(target, op: str, replicated: tuple[int, ...], group_name: str, *args, **kwargs):

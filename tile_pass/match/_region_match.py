@@ -263,10 +263,17 @@ def _shard_program_steps(matcher) -> list[Step]:
         raise NoMatch("autocast around a vocabulary-sharded head is not tiled in tensor-parallel form yet")
     if matcher.bias is not None:
         raise NoMatch("a vocabulary-sharded head with a bias is not tiled in tensor-parallel form yet")
-    for token_input in matcher.token_inputs:
-        if token_input.part not in ((), (1,)):  # per token: a label, a gather index, a mask
+    partner = [
+        any(i is p for p in matcher.partner_inputs) for i in (*matcher.token_inputs, *matcher.row_inputs)
+    ]
+    # a partner head sharded alike projects this rank's rows of its own weight from its hidden states
+    token_partner, row_partner = partner[: len(matcher.token_inputs)], partner[len(matcher.token_inputs) :]
+    for token_input, theirs in zip(matcher.token_inputs, token_partner, strict=True):
+        if token_input.part not in ((), (1,)) and not theirs:  # per token: a label, an index, a mask
             raise NoMatch("a [tokens, V] operand (a teacher's logits) is not sharded with the head yet")
-    if any(not row.zero_dim for row in matcher.row_inputs):
+    if any(
+        not row.zero_dim and not theirs for row, theirs in zip(matcher.row_inputs, row_partner, strict=True)
+    ):
         raise NoMatch("a [V] operand of the logits is not sharded with the head yet")
     steps = []
 
@@ -345,6 +352,7 @@ class RegionMatcher:
         self.slice_steps: list[int] = []  # per slice, the first program value after it
         #: other heads' projections whose tiles the region computes -> their transpose, if only theirs
         self.partners: dict[torch.fx.Node, torch.fx.Node | None] = {}
+        self.partner_inputs: list = []  # the partner heads' hidden states, weights and biases
         self.selections: list[tuple[tuple, tuple]] = []  # (index, the selected token dims)
         self.selection: int | None = None  # the selection of the node being classified
         self.saw_selection = False  # a chunk/split/narrow of the rows: the second pass may take it
@@ -607,8 +615,6 @@ class RegionMatcher:
         """Other projections onto the same vocabulary whose logits this region's readers combine
         with row by row (a frozen teacher's head beside the student's), and which need no
         gradient: each tile computes their logits too, so neither head's ``[N, V]`` logits exist."""
-        if self.shard is not None:
-            return set()
         mine = _descendants(self.projection) | {self.projection}
         partners = set()
         for node in self.graph.nodes:
@@ -622,11 +628,28 @@ class RegionMatcher:
             if linear is None or out is None or out.requires_grad or not same(out.shape[-1], self.vocab):
                 continue
             weight = val(linear[1])
-            if linear[1] in mine or weight is None or weight.dim() != 2 or hasattr(weight, "placements"):
+            if (
+                linear[1] in mine
+                or weight is None
+                or weight.dim() != 2
+                or not self._sharded_alike(linear, out)
+            ):
                 continue
             if any(u in mine for u in _descendants(node)):
                 partners.add(node)
         return partners
+
+    def _sharded_alike(self, linear, out) -> bool:
+        """Whether a partner head is split over the vocabulary as this head is: neither sharded,
+        or both ``Shard(0)`` on one mesh with the same rows on this rank (its logits then meet
+        this head's column for column, and the tiles compute this rank's piece of both)."""
+        weight = val(linear[1])
+        if self.shard is None or not hasattr(weight, "placements"):
+            return self.shard is None and not hasattr(weight, "placements")
+        try:
+            return _vocab_shard(val(linear[0]), weight, out) == self.shard
+        except NoMatch:
+            return False
 
     def add_partner(self, node: torch.fx.Node) -> None:
         """The partner projection ``node`` as a step: ``F.linear`` of its hidden states (sliced
@@ -640,10 +663,12 @@ class RegionMatcher:
             raise NoMatch("{} is a second head after the logits' token rows were sliced", node)
         entry = TokenInput(hidden, (hidden_val.shape[-1],), self.flat_tokens(tokens))
         self.token_inputs.append(entry)
+        self.partner_inputs.append(entry)
         args = [Ref(RefKind.TOKEN, len(self.token_inputs) - 1)]
         for operand in (weight, bias):
             if operand is not None:
                 self.row_inputs.append(RowInput(operand, False, whole=True))
+                self.partner_inputs.append(self.row_inputs[-1])
                 args.append(Ref(RefKind.ROW, len(self.row_inputs) - 1))
         classified = Classified(self.step(node, F.linear, args), Shape(Layout.ROWS, tokens))
         self._add(node, classified, RuleKind.ELEMENTWISE)
@@ -809,7 +834,7 @@ class RegionMatcher:
                 return (*found, linear)
         return None
 
-    def _scalar_loss(self, outputs: list[RegionOutput], linear_only: bool):
+    def _scalar_loss(self, outputs: list[RegionOutput], linear_only: bool, only: set | None = None):
         diff = [o for o in outputs if o.differentiable and o.shape.layout is not Layout.ROWS]
         if not diff:
             return None
@@ -843,7 +868,7 @@ class RegionMatcher:
         linear = {o.node for o in outputs if o.differentiable or not linear_only}
         nodes = []
         for node in self.graph.nodes:
-            if node in env:
+            if node in env or (only is not None and node not in only):
                 continue
             if linear_only:
                 if not _linear_in(node, linear):
@@ -863,17 +888,19 @@ class RegionMatcher:
             env[node] = Ref(RefKind.VALUE, len(steps) - 1)
             linear.add(node)
             nodes.append(node)
-        if nodes:  # the loss is the one reduction node read outside them; an output may be read
-            # outside too (a metric of the logits, per-token log-probs returned for logging): it
-            # stays differentiable, its gradient re-run in backward where one arrives
-            members = set(nodes)
-            sinks = [n for n in nodes if any(u not in members for u in n.users)]
-        else:  # the loss is an output itself (a folded mean cross entropy)
-            members = {o.node for o in diff}
-            sinks = [n for n in members if any(u not in members for u in n.users)]
+        # the loss: the one reduction node read outside them, or an output itself (a folded mean
+        # cross entropy). Another output may be read outside too (a metric of the logits,
+        # per-token log-probs returned): it stays differentiable, its gradient a re-run of the
+        # tiles in backward where one arrives
+        members = set(nodes) | {o.node for o in outputs}
+        sinks = [n for n in nodes if any(u not in members for u in n.users)]
+        sinks = sinks or [o.node for o in diff if any(u not in members for u in o.node.users)]
         sink_val = val(sinks[0]) if len(sinks) == 1 else None
         if sink_val is None or sink_val.dim() != 0 or not sink_val.requires_grad:
             return None
+        needed = _ancestors(sinks[0], set(nodes))
+        if only is None and len(needed) < len(nodes):  # again with the nodes the loss reads only
+            return self._scalar_loss(outputs, linear_only, only=needed)
         return nodes, steps, sinks[0], inputs, env[sinks[0]].index
 
     def _restored(self, out: RegionOutput, read: Ref, first: int, external) -> list[Step]:
@@ -898,6 +925,18 @@ _LOSS_STRUCTURE = frozenset({
     "unflatten", "movedim", "select", "index_select", "take_along_dim", "squeeze", "unsqueeze", "transpose",
     "permute", "reshape", "view", "contiguous", "clone", "expand", "t", "narrow", "getitem",
 })  # fmt: skip
+
+
+def _ancestors(node: torch.fx.Node, within: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """``node`` and the nodes of ``within`` it is computed from, through ``within`` only."""
+    found, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in found or (n is not node and n not in within):
+            continue
+        found.add(n)
+        todo.extend(n.all_input_nodes)
+    return found & (within | {node})
 
 
 def _nonlinear_in(node: torch.fx.Node, dependent: set[torch.fx.Node]) -> bool:

@@ -533,7 +533,7 @@ def _getitem(matcher, node: torch.fx.Node) -> list[Classified]:
     folds=Fold.NEVER, head_sign=True, **_REDUCES_ROWS
 )  # fmt: skip
 @register_ops(
-    "kl_div", kind=RuleKind.LOSS, zeros=None, linear=Linear.NONE, sharded=None, folds=Fold.NEVER,
+    "kl_div", kind=RuleKind.LOSS, zeros=None, linear=Linear.NONE, sharded="shard_kl_div", folds=Fold.NEVER,
     head_sign=True, **_REDUCES_ROWS
 )  # fmt: skip
 def _loss(matcher, node: torch.fx.Node) -> list[Classified]:
