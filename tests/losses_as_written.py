@@ -243,3 +243,15 @@ def chosen_gate(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
     logps = _batch_logps(logits, y)
     margin = logps[:half] - logps[half:]
     return torch.where(margin > 0, margin * 0.1, -F.logsigmoid(beta * margin)).sum()
+
+
+def distill_teacher_first(hs, ws, ht, wt, y, temperature=2.0):
+    """The frozen teacher's head computed before the student's (its own region, tried first,
+    stops at the student; the student's region then takes it as its second head)."""
+    with torch.no_grad():
+        teacher = (ht @ wt.t()).float() / temperature
+    student = (hs @ ws.t()).float() / temperature
+    V = student.shape[-1]
+    per_token = F.kl_div(student.log_softmax(-1), teacher.log_softmax(-1), reduction="none", log_target=True)
+    mask = (y != IGNORE).unsqueeze(-1)
+    return (per_token * mask).sum() / mask.sum() * temperature**2 / V

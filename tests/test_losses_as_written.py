@@ -75,6 +75,7 @@ CASES = [
     ("distill_kl_div_sum", "distill", ("x", "w")),
     ("distill_kl_div_mean", "distill", ("x", "w")),
     ("distill_kl_div_batchmean", "distill", ("x", "w")),
+    ("distill_teacher_first", "distill", ("x", "w")),
 ]
 VARIANTS = {
     "distill_jsd_beta0": functools.partial(L.distill_jsd, beta=0.0, temperature=1.0),

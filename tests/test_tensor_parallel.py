@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import assert_close_to_oracle
 from test_distributed import WORLD, _free_port, spawn
 
 import tile_pass
@@ -619,3 +620,121 @@ def test_trl_grpo_forms_on_a_vocabulary_sharded_head_are_rewritten_and_exact(tmp
                     result[key].double(), value, rtol=1e-5, atol=1e-7,
                     msg=lambda m, k=key, r=rank, f=name: f"{f} rank {r} {k}: {m}",
                 )  # fmt: skip
+
+
+# ------------------------------------ two heads sharded alike: a student and a frozen teacher
+
+HT = 20  # the teacher's hidden size
+
+
+def _wide(logits):
+    """``.float()`` as trainers write it, keeping the float64 oracle float64."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _jsd_masked(student, teacher, y, beta=0.5, temperature=2.0):
+    log_q = (_wide(student) / temperature).log_softmax(-1)
+    log_p = (_wide(teacher) / temperature).log_softmax(-1)
+    log_m = torch.lerp(log_q.exp(), log_p.exp(), beta).log()
+    per_token = beta * F.kl_div(log_m, log_p, reduction="none", log_target=True).sum(-1) + (
+        1 - beta
+    ) * F.kl_div(log_m, log_q, reduction="none", log_target=True).sum(-1)
+    valid = y != -100
+    return torch.where(valid, per_token, 0.0).sum() / valid.sum()
+
+
+def _forward_kl(student, teacher, y, temperature=1.5):
+    """KL(teacher || student) written out, per token, over the labelled tokens (``F.kl_div``
+    itself is not traced by Dynamo on these DTensors)."""
+    log_q = (_wide(student) / temperature).log_softmax(-1)
+    log_p = (_wide(teacher) / temperature).log_softmax(-1)
+    valid = y != -100
+    return torch.where(valid, (log_p.exp() * (log_p - log_q)).sum(-1), 0.0).sum() / valid.sum()
+
+
+def _reverse_kl(student, teacher, y):
+    """KL(student || teacher), summed over every token."""
+    log_q, log_p = _wide(student).log_softmax(-1), _wide(teacher).log_softmax(-1)
+    return (log_q.exp() * (log_q - log_p)).sum(-1).sum()
+
+
+TWO_HEADS = {"jsd_masked": _jsd_masked, "forward_kl": _forward_kl, "reverse_kl": _reverse_kl}
+
+
+def _two_heads_data():
+    g = torch.Generator().manual_seed(2)
+    hs, ht = torch.randn(N, H, generator=g), torch.randn(N, HT, generator=g)
+    ws, wt = torch.randn(V, H, generator=g) * 0.3, torch.randn(V, HT, generator=g) * 0.3
+    y = torch.randint(0, V, (N,), generator=g)
+    y[:TILE] = -100
+    return hs, ht, ws, wt, y
+
+
+def _two_heads_worker(rank, port, outdir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    with _process_group(rank, port):
+        mesh = init_device_mesh("cpu", (WORLD,))
+        hs, ht, ws, wt, y = _two_heads_data()
+        results = {}
+        for name, form in [*TWO_HEADS.items(), ("teacher_whole", _forward_kl)]:
+            student, teacher = torch.nn.Linear(H, V, bias=False), torch.nn.Linear(HT, V, bias=False)
+            student.weight.data.copy_(ws)
+            teacher.weight.data.copy_(wt)
+            teacher.requires_grad_(False)
+            for head in (student, teacher) if name != "teacher_whole" else (student,):
+                parallelize_module(
+                    head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+                )
+
+            def step(h, t, y, form=form, student=student, teacher=teacher):
+                teacher_logits = teacher(t)
+                if not hasattr(teacher_logits, "placements"):  # a whole teacher: the student's layout
+                    local = teacher_logits.tensor_split(WORLD, -1)[rank]
+                    teacher_logits = DTensor.from_local(
+                        local, mesh, [Shard(-1)], run_check=False, shape=(N, V), stride=(V, 1)
+                    )
+                return form(student(h), teacher_logits, y)
+
+            torch._dynamo.reset()  # each form compiled on its own (no float made dynamic by a recompile)
+            backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
+            h = hs.clone().requires_grad_()
+            labels = DTensor.from_local(
+                y, mesh, [Replicate()], run_check=False
+            )  # DTensor ops mix no plain tensor
+            loss = torch.compile(step, backend=backend)(h, ht, labels)
+            loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+            loss.backward()
+            grad_weight = student.weight.grad.full_tensor()
+            results[name] = dict(loss=loss.detach(), grad_hidden=h.grad, grad_weight=grad_weight,
+                                 report=backend.report().to_dict())  # fmt: skip
+        torch.save(results, os.path.join(outdir, f"two{rank}.pt"))
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+def test_two_heads_sharded_alike_are_one_region_and_exact(tmp_path):
+    """A student head and a frozen teacher head (its own hidden size), both
+    ``ColwiseParallel(output_layouts=Shard(-1))`` on one mesh, combined row by row (a masked
+    JSD with temperature, forward and reverse KL): one tiled region per rank computing each
+    rank's columns of both heads, loss and student gradients equal to float64 eager on the
+    whole heads. A teacher not sharded alike keeps its reason."""
+    spawn(_two_heads_worker, (_free_port(), str(tmp_path)))
+    results = [torch.load(tmp_path / f"two{rank}.pt") for rank in range(WORLD)]
+    hs, ht, ws, wt, y = _two_heads_data()
+    for name, form in TWO_HEADS.items():
+        h, w = hs.double().requires_grad_(), ws.double().requires_grad_()
+        loss = form(h @ w.t(), ht.double() @ wt.double().t(), y)
+        grad_h, grad_w = torch.autograd.grad(loss, (h, w))
+        for rank in range(WORLD):
+            result = results[rank][name]
+            rewrites = result["report"]["rewrites"]
+            assert len(rewrites) == 1 and not result["report"]["skipped"], (name, result["report"]["skipped"])
+            assert "head 2" in rewrites[0]["form"] and "tensor-parallel: degree 2" in rewrites[0]["form"]
+            assert_close_to_oracle(result["loss"], loss, torch.float32, f"{name} loss")
+            assert_close_to_oracle(result["grad_hidden"], grad_h, torch.float32, f"{name} hidden gradient")
+            assert_close_to_oracle(result["grad_weight"], grad_w, torch.float32, f"{name} weight gradient")
+    for rank in range(WORLD):
+        whole = results[rank]["teacher_whole"]["report"]
+        assert not whole["rewrites"] and whole["skipped"], whole

@@ -188,6 +188,7 @@ def _rewrite_row_regions(
     region has taken or reported yet (the caller explains those)."""
     report = result.report
     states = _region_match._autocast_states(gm.graph)
+    skipped_heads: dict[torch.fx.Node, Skip] = {}  # a head tried alone before another region took it
     for node in [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]:
         if node.graph is None or node._erased:  # erased by an earlier rewrite (a partner head's included)
             continue
@@ -210,9 +211,11 @@ def _rewrite_row_regions(
             held = [loss for loss in losses if loss in depends]
             line = source_line(held[0]) if held else source_line(node)
             losses[:] = [loss for loss in losses if loss not in depends]
-            report.skipped.append(Skip(result.report.index, line, str(why)))
+            report.skipped.append(skipped_heads.setdefault(node, Skip(result.report.index, line, str(why))))
             continue
         losses[:] = [loss for loss in losses if loss not in covered]
+        for head in covered & skipped_heads.keys():  # a teacher head computed first, now a partner
+            report.skipped.remove(skipped_heads.pop(head))
         report.rewrites.append(
             _rewritten(report.index, region, val(node), splice, covered, tile, loss_line, options)
         )
