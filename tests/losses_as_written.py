@@ -255,3 +255,13 @@ def distill_teacher_first(hs, ws, ht, wt, y, temperature=2.0):
     per_token = F.kl_div(student.log_softmax(-1), teacher.log_softmax(-1), reduction="none", log_target=True)
     mask = (y != IGNORE).unsqueeze(-1)
     return (per_token * mask).sum() / mask.sum() * temperature**2 / V
+
+
+def dpo_with_rewards(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
+    """DPO as preference trainers return it: the loss, and each pair's detached rewards (what
+    they log as ``rewards/chosen`` and ``rewards/margins``)."""
+    logits, half, _ = _concatenated(x, w, b, y)
+    logps = _batch_logps(logits, y)
+    chosen, rejected = logps[:half] - ref_chosen, logps[half:] - ref_rejected
+    loss = -F.logsigmoid(beta * (chosen - rejected)).mean()
+    return loss, (beta * chosen).detach(), (beta * rejected).detach()

@@ -233,3 +233,26 @@ def test_metrics_beside_the_loss(device, metrics_backward):
     assert plans[0].coupled
     if device == "cpu":
         assert plans[1].rows == (B2 * T if metrics_backward else 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_detached_rewards_beside_the_loss(device):
+    """DPO returning each pair's detached rewards, as preference trainers log them: the loss
+    takes coupled tiles (one loop, its gradient formed in forward) and the graph computes the
+    rewards from the op's per-token outputs, exactly eager's."""
+    params, y, ref = _data(device, torch.float64)
+    fn, backend = _compiled("dpo_with_rewards")
+
+    def step(f):
+        leaves = [p.detach().requires_grad_() for p in params]
+        loss, chosen, rejected = f(leaves[0], leaves[1], leaves[2], y, *ref)
+        return (loss, chosen, rejected), torch.autograd.grad(loss, leaves)
+
+    with _plan.recorded() as plans:
+        values, grads = step(fn)
+    oracle_values, oracle_grads = step(L.dpo_with_rewards)
+    assert [bool(p.coupled) for p in plans] == [True]
+    assert "nonlinear in the tokens' outputs" in backend.report().rewrites[0].reduction
+    for got, oracle in zip((*values, *grads), (*oracle_values, *oracle_grads), strict=True):
+        torch.testing.assert_close(got, oracle)
+    assert not values[1].requires_grad and not values[2].requires_grad

@@ -834,7 +834,9 @@ class RegionMatcher:
                 return (*found, linear)
         return None
 
-    def _scalar_loss(self, outputs: list[RegionOutput], linear_only: bool, only: set | None = None):
+    def _scalar_loss(
+        self, outputs: list[RegionOutput], linear_only: bool, only: set | None = None, sink=None
+    ):
         diff = [o for o in outputs if o.differentiable and o.shape.layout is not Layout.ROWS]
         if not diff:
             return None
@@ -892,15 +894,20 @@ class RegionMatcher:
         # cross entropy). Another output may be read outside too (a metric of the logits,
         # per-token log-probs returned): it stays differentiable, its gradient a re-run of the
         # tiles in backward where one arrives
+        if sink is not None:  # the second pass, over the nodes the loss is computed from
+            return nodes, steps, sink, inputs, env[sink].index
         members = set(nodes) | {o.node for o in outputs}
-        sinks = [n for n in nodes if any(u not in members for u in n.users)]
+        read_outside = [n for n in nodes if any(u not in members for u in n.users)]
+        # values that need no gradient read outside too (DPO's detached rewards): the graph keeps
+        # computing them from the op's outputs
+        sinks = [n for n in read_outside if getattr(val(n), "requires_grad", True)]
         sinks = sinks or [o.node for o in diff if any(u not in members for u in o.node.users)]
         sink_val = val(sinks[0]) if len(sinks) == 1 else None
         if sink_val is None or sink_val.dim() != 0 or not sink_val.requires_grad:
             return None
         needed = _ancestors(sinks[0], set(nodes))
         if only is None and len(needed) < len(nodes):  # again with the nodes the loss reads only
-            return self._scalar_loss(outputs, linear_only, only=needed)
+            return self._scalar_loss(outputs, linear_only, only=needed, sink=sinks[0])
         return nodes, steps, sinks[0], inputs, env[sinks[0]].index
 
     def _restored(self, out: RegionOutput, read: Ref, first: int, external) -> list[Step]:

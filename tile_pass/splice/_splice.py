@@ -89,7 +89,7 @@ def rewrite_row_region(
 ) -> Splice:
     """Replace the region by one call of :func:`tile_pass.tiles.tiled_region.run_region`, in named steps.
     Raises ``NoMatch`` (from :func:`_hoist`, the only step that can refuse) before changing anything."""
-    splice = Splice(region, call, members=set(region.nodes) | set(region.reduction_nodes))
+    splice = Splice(region, call, members=set(region.nodes) | _erased_reduction(region))
     existing = set(graph.nodes)
     _hoist(graph, splice, autocast_states)
     with graph.inserting_before(splice.point):
@@ -249,6 +249,23 @@ def _hand_back_returned_logits(graph: torch.fx.Graph, splice: Splice, result) ->
             "its gradient is computed only if the caller uses it"
         )
     output.args = ((*outputs, *extras),)
+
+
+def _erased_reduction(region) -> set[torch.fx.Node]:
+    """The loss's nodes the op replaces: all but those a value outside the loss is also computed
+    from (a detached reward of each sequence), which the graph keeps computing from the op's
+    outputs."""
+    reduction = set(region.reduction_nodes)
+    inside = reduction | set(region.nodes)
+    kept: set[torch.fx.Node] = set()
+    todo = [n for n in reduction if n is not region.sink and any(u not in inside for u in n.users)]
+    while todo:
+        node = todo.pop()
+        if node in kept:
+            continue
+        kept.add(node)
+        todo.extend(a for a in node.all_input_nodes if a in reduction)
+    return reduction - kept
 
 
 def _erase(graph: torch.fx.Graph, splice: Splice) -> None:
