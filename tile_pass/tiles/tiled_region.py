@@ -417,22 +417,10 @@ def _run_tiles(
     # the traced tiles assume contiguous slices; a derived token weight can be a broadcast scalar
     tangents = {i: t.contiguous() for i, t in tangents.items()}
     token_inputs = [t.contiguous() for t in token_inputs]
-    if coupled is not None:
-        rows = coupled[0].order
-    num_tokens = hidden.shape[0] if rows is None else rows.numel()
-    tile_plan = plan_tiles(
-        num_tokens, hidden.shape[0], call.tile, weight.shape, weight.dtype, weight.device, call.compile_tiles,
-        need.weight,
-    )  # fmt: skip
-    if coupled is not None:
-        tile_plan = dataclasses.replace(tile_plan, tile=coupled[0].tile, coupled=len(coupled[0].bounds))
-    _plan.ran(tile_plan)
-    key = _kernel_key(
-        program, call, tile_plan, hidden, weight, bias, token_inputs, row_inputs, tangents, need
+    rows, key, bounds = _loop_plan(
+        program, call, hidden, weight, bias, token_inputs, row_inputs, tangents, need, rows, coupled
     )
-    if coupled is not None:
-        diff = tuple(i for i, out in enumerate(program.outputs) if out.differentiable)
-        key = dataclasses.replace(key, tangents=diff if need.any() else (), coupled=True)
+    num_tokens = hidden.shape[0] if rows is None else rows.numel()
     tile = key.tile
     out = _Results.allocate(program, key, hidden, weight, token_inputs, row_inputs, need, num_tokens,
                             keep_outputs, rows)  # fmt: skip
@@ -441,9 +429,6 @@ def _run_tiles(
     whole = rows is None and num_tokens == tile
     row_inputs = tuple(row_inputs)
     tangent_list = [tangents[i] for i in key.tangents] if coupled is None else []
-    bounds = coupled[0].bounds if coupled is not None else [
-        (start, min(tile, num_tokens - start)) for start in range(0, num_tokens, tile)
-    ]  # fmt: skip
     kernel = _per_tile(_program_kernel(key)) if num_tokens else None  # no tile, no trace (an empty batch)
     kernel_size = key.tile
     loop = contextlib.nullcontext() if coupled is None else running(program, hidden.shape[0], coupled[1])
@@ -475,6 +460,30 @@ def _run_tiles(
             out.store(result, start, count, picked, len(program.outputs), need, whole)
             del inputs, result, hidden_tile, token_tiles, tangent_tiles  # before the next tile's are made
     return out.finish(program, call, hidden, weight, need)
+
+
+def _loop_plan(program, call, hidden, weight, bias, token_inputs, row_inputs, tangents, need, rows, coupled):
+    """``(rows, kernel key, tile bounds)`` of one loop: the plan's tiles in token order, or a
+    coupled loop's whole groups in its own order (its kernel evaluating its tangents)."""
+    if coupled is not None:
+        rows = coupled[0].order
+    num_tokens = hidden.shape[0] if rows is None else rows.numel()
+    tile_plan = plan_tiles(
+        num_tokens, hidden.shape[0], call.tile, weight.shape, weight.dtype, weight.device, call.compile_tiles,
+        need.weight,
+    )  # fmt: skip
+    if coupled is not None:
+        tile_plan = dataclasses.replace(tile_plan, tile=coupled[0].tile, coupled=len(coupled[0].bounds))
+    _plan.ran(tile_plan)
+    key = _kernel_key(
+        program, call, tile_plan, hidden, weight, bias, token_inputs, row_inputs, tangents, need
+    )
+    if coupled is None:
+        tile = key.tile
+        return rows, key, [(start, min(tile, num_tokens - start)) for start in range(0, num_tokens, tile)]
+    diff = tuple(i for i, out in enumerate(program.outputs) if out.differentiable)
+    key = dataclasses.replace(key, tangents=diff if need.any() else (), coupled=True)
+    return rows, key, coupled[0].bounds
 
 
 def _tile_of(t: torch.Tensor, start: int, stop: int, size: int, zeros: bool = False) -> torch.Tensor:
