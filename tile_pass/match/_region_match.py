@@ -905,7 +905,7 @@ class RegionMatcher:
         sink_val = val(sinks[0]) if len(sinks) == 1 else None
         if sink_val is None or sink_val.dim() != 0 or not sink_val.requires_grad:
             return None
-        needed = _ancestors(sinks[0], set(nodes))
+        needed = _ancestors(sinks[0], set(nodes), {o.node for o in outputs})
         if only is None and len(needed) < len(nodes):  # again with the nodes the loss reads only
             return self._scalar_loss(outputs, linear_only, only=needed, sink=sinks[0])
         return nodes, steps, sinks[0], inputs, env[sinks[0]].index
@@ -934,15 +934,19 @@ _LOSS_STRUCTURE = frozenset({
 })  # fmt: skip
 
 
-def _ancestors(node: torch.fx.Node, within: set[torch.fx.Node]) -> set[torch.fx.Node]:
-    """``node`` and the nodes of ``within`` it is computed from, through ``within`` only."""
+def _ancestors(
+    node: torch.fx.Node, within: set[torch.fx.Node], leaves: set[torch.fx.Node]
+) -> set[torch.fx.Node]:
+    """``node`` and the nodes of ``within`` it is computed from, through ``within`` only and not
+    past ``leaves`` (the region's outputs: the op gives them, whatever computed them)."""
     found, todo = set(), [node]
     while todo:
         n = todo.pop()
         if n in found or (n is not node and n not in within):
             continue
         found.add(n)
-        todo.extend(n.all_input_nodes)
+        if n not in leaves:
+            todo.extend(n.all_input_nodes)
     return found & (within | {node})
 
 
