@@ -256,3 +256,38 @@ def test_detached_rewards_beside_the_loss(device):
     for got, oracle in zip((*values, *grads), (*oracle_values, *oracle_grads), strict=True):
         torch.testing.assert_close(got, oracle)
     assert not values[1].requires_grad and not values[2].requires_grad
+
+
+def test_new_sequence_lengths_trace_no_new_tile():
+    """A dynamic sequence length (the batch of pairs static: a row selection with symbolic bounds
+    is refused, see the limits): batches of other lengths reuse the compiled graph and the traced
+    tile functions (a coupled tile's key holds no batch size), exact at each length."""
+    from tile_pass.tiles import _tile_kernel
+
+    torch._dynamo.reset()
+    backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
+    fn = torch.compile(L.dpo_loss_only, backend=backend)
+    traced = []
+    for length in (5, 4, 3):  # pairs of 10, 8 and 6 tokens: tiles of 16 rows each time
+        g = torch.Generator().manual_seed(length)
+        x = torch.randn(B2, length, H, generator=g, dtype=torch.float64)
+        w, b = (
+            torch.randn(V, H, generator=g, dtype=torch.float64) * 0.5,
+            torch.randn(V, generator=g, dtype=torch.float64),
+        )
+        y = torch.randint(0, V, (B2, length), generator=g)
+        y[0, 1:] = L.IGNORE
+        ref = [torch.randn(B2 // 2, generator=g, dtype=torch.float64) for _ in range(2)]
+        torch._dynamo.maybe_mark_dynamic(x, 1)
+        torch._dynamo.maybe_mark_dynamic(y, 1)
+        with _plan.recorded() as plans:
+            loss, grads = _step(fn, [x, w, b], y, ref)
+        oracle_loss, oracle_grads = _step(L.dpo_loss_only, [x, w, b], y, ref)
+        torch.testing.assert_close(loss, oracle_loss)
+        for grad, oracle in zip(grads, oracle_grads, strict=True):
+            torch.testing.assert_close(grad, oracle)
+        assert [bool(p.coupled) for p in plans] == [True]
+        traced.append(len(_tile_kernel._cache))
+    report = backend.report()  # the first length's graph, then one with a symbolic length
+    assert len(report.rewrites) == len(report.graphs) <= 2 and not report.skipped, str(report)
+    assert traced[0] == traced[1] == traced[2], traced  # no tile function traced per batch size
