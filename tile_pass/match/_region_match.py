@@ -263,17 +263,12 @@ def _shard_program_steps(matcher) -> list[Step]:
         raise NoMatch("autocast around a vocabulary-sharded head is not tiled in tensor-parallel form yet")
     if matcher.bias is not None:
         raise NoMatch("a vocabulary-sharded head with a bias is not tiled in tensor-parallel form yet")
-    partner = [
-        any(i is p for p in matcher.partner_inputs) for i in (*matcher.token_inputs, *matcher.row_inputs)
-    ]
     # a partner head sharded alike projects this rank's rows of its own weight from its hidden states
-    token_partner, row_partner = partner[: len(matcher.token_inputs)], partner[len(matcher.token_inputs) :]
-    for token_input, theirs in zip(matcher.token_inputs, token_partner, strict=True):
-        if token_input.part not in ((), (1,)) and not theirs:  # per token: a label, an index, a mask
+    theirs = {id(operand) for operand in matcher.partner_inputs}
+    for token_input in matcher.token_inputs:
+        if token_input.part not in ((), (1,)) and id(token_input) not in theirs:  # a label, an index, a mask
             raise NoMatch("a [tokens, V] operand (a teacher's logits) is not sharded with the head yet")
-    if any(
-        not row.zero_dim and not theirs for row, theirs in zip(matcher.row_inputs, row_partner, strict=True)
-    ):
+    if any(not row.zero_dim and id(row) not in theirs for row in matcher.row_inputs):
         raise NoMatch("a [V] operand of the logits is not sharded with the head yet")
     steps = []
 
@@ -866,20 +861,20 @@ class RegionMatcher:
                 env[out.node] = Ref(RefKind.VALUE, len(steps) - 1)
         except NoMatch:  # labels or class weights computed from the logits
             return None
-        # linear: depends on a differentiable output (and, when linear_only, linearly)
-        linear = {o.node for o in outputs if o.differentiable or not linear_only}
+        # depends on a differentiable output (and, when linear_only, linearly)
+        dependent = {o.node for o in outputs if o.differentiable or not linear_only}
         nodes = []
         for node in self.graph.nodes:
             if node in env or (only is not None and node not in only):
                 continue
             if linear_only:
-                if not _linear_in(node, linear):
+                if not _linear_in(node, dependent):
                     continue
-                if any(a in env and a not in linear for a in node.all_input_nodes):
+                if any(a in env and a not in dependent for a in node.all_input_nodes):
                     # a factor computed from the logits (argmax, a count of correct tokens): the
                     # token weights, derived before the tiles run, would not know its value
                     continue
-            elif not _nonlinear_in(node, linear):
+            elif not _nonlinear_in(node, dependent):
                 continue
             try:
                 args = [external(a) for a in node.args]
@@ -888,7 +883,7 @@ class RegionMatcher:
                 continue
             steps.append(self.step(node, node.target, args, kwargs, node.op))
             env[node] = Ref(RefKind.VALUE, len(steps) - 1)
-            linear.add(node)
+            dependent.add(node)
             nodes.append(node)
         # the loss: the one reduction node read outside them, or an output itself (a folded mean
         # cross entropy). Another output may be read outside too (a metric of the logits,
