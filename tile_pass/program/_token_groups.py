@@ -220,6 +220,8 @@ class _Interpreter:
 
     def _ids(self, node: torch.fx.Node):
         target, shape = node.target, _shape(node)
+        if getattr(getattr(target, "_schema", None), "is_mutable", False):  # ids move as values, not in place
+            raise _Unknown(f"{target} writes in place")
         if target is operator.getitem:
             return self.ids[node.args[0]][node.args[1]]
         merge = node in self.merging or not self._linear(node, set(self.ids))
