@@ -99,7 +99,7 @@ def test_report_text_and_json():
         b = logits_topk(h, w, y)
         return a + b
 
-    report = tile_pass.explain(two_heads, h, w, y)
+    report = tile_pass.explain(two_heads, h.requires_grad_(), w.requires_grad_(), y)  # with a backward
     assert len(report.rewrites) == 1 and len(report.skipped) == 1
     text = str(report)
     assert "REWRITTEN F.linear -> .reshape() -> .float() -> cross_entropy(ignore_index=-100)" in text

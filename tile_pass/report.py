@@ -32,30 +32,38 @@ LOGITS_TENSORS = {
     "saved_log_probs": "saved log-probabilities",
     "logits_grad": "logits gradient",
     "logits_grad_cast": "its cast to the model dtype",
-    "loss_grad": "nll_loss's gradient",
+    "loss_grad": "the loss's gradient (nll_loss's for a cross entropy)",
 }
 _FORWARD, _BACKWARD = ("logits", "float32_upcast", "saved_log_probs"), ("logits_grad", "logits_grad_cast")
 
 
-def logits_bytes_fields(elements, itemsize: int, kept, tile_buffer: int, plain) -> dict[str, Any]:
+def logits_bytes_fields(
+    elements, itemsize: int, kept, tile_buffer: int, plain, *, backward: bool = True
+) -> dict[str, Any]:
     """The byte figures of a :class:`Rewrite` whose logits have ``elements`` elements of
     ``itemsize`` bytes (``kept``: bytes of them the graph returns, ``tile_buffer``: the bytes of
     ``[tile, V]`` buffers the tiles hold at a time; ``plain`` turns a symbolic size into its
     report form). The model is the cross entropy's (a row-wise program of other ops makes
-    others): every float32 tensor is float64 for a float64 model."""
+    others): every float32 tensor is float64 for a float64 model. Without a ``backward`` (no
+    output needs a gradient: ``torch.no_grad()``, a reference model's log-probabilities) no
+    gradient exists to avoid, and an unfused step peaks in forward instead."""
     wide = 8 if itemsize == 8 else 4  # what the loss computes in
     half = itemsize < 4
     tensors = {
         "logits": elements * itemsize,
         "float32_upcast": elements * 4 if half else 0,
         "saved_log_probs": elements * wide,
-        "loss_grad": elements * wide,
-        "logits_grad": elements * wide,
-        "logits_grad_cast": elements * itemsize if half else 0,
+        "loss_grad": elements * wide if backward else 0,
+        "logits_grad": elements * wide if backward else 0,
+        "logits_grad_cast": elements * itemsize if half and backward else 0,
     }
     # at eager's peak (in backward, _log_softmax_backward_data): its inputs, the saved
-    # log-probabilities and the loss's gradient, and its output, the logits gradient
+    # log-probabilities and the loss's gradient, and its output, the logits gradient; with no
+    # backward, at log_softmax: its input (the float32 upcast, or the logits when that is no
+    # copy) and its output, the log-probabilities
     unfused = tensors["saved_log_probs"] + tensors["loss_grad"] + tensors["logits_grad"]
+    if not backward:
+        unfused = (tensors["float32_upcast"] or tensors["logits"]) + tensors["saved_log_probs"]
     return {
         "forward_bytes_avoided": plain(
             tensors["logits"] + tensors["float32_upcast"] + tensors["saved_log_probs"] - kept
@@ -117,6 +125,13 @@ class Rewrite:
     tile_buffer_bytes: int | str = 0
     #: what the step's peak should drop by: {"unfused": ..., "inductor": ...} (see above)
     peak_bytes_avoided: dict[str, int | str] = field(default_factory=dict)
+    #: whether a backward runs through the region (False when no output needs a gradient, as
+    #: under ``torch.no_grad()``): the report then claims nothing of gradients
+    backward: bool = True
+    #: the ops of the region whose ``[N, V]`` input gradient an unfused backward makes beside
+    #: the saved log-probabilities (``nll_loss`` for a cross entropy; ``gather`` for a
+    #: hand-written one), for ``loss_grad``'s name
+    loss_grad_ops: str = "nll_loss"
 
     def __str__(self) -> str:
         return (
@@ -131,7 +146,11 @@ class Rewrite:
             + (
                 self._bytes_text()
                 or f"    logits avoided: {_fmt_bytes(self.forward_bytes_avoided)} in forward, "
-                f"{_fmt_bytes(self.backward_bytes_avoided)} in backward"
+                + (
+                    f"{_fmt_bytes(self.backward_bytes_avoided)} in backward"
+                    if self.backward
+                    else "no backward"
+                )
             )
             + (
                 ""
@@ -153,6 +172,23 @@ class Rewrite:
         kept = self.returned_logits_bytes
         returned = f", {_fmt_bytes(kept)} of them returned" if kept != 0 else ""
         peak = self.peak_bytes_avoided
+        if not self.backward:
+            made = (
+                items(["logits"]) + returned,
+                items(["float32_upcast"]),
+                f"log-probabilities {_fmt_bytes(sizes['saved_log_probs'])}",
+            )
+            return (
+                f"    logits avoided: {_fmt_bytes(self.forward_bytes_avoided)} in forward "
+                f"({', '.join(part for part in made if part)}); no backward runs (no output needs a "
+                "gradient)\n"
+                f"    peak memory: about {_lower(peak['inductor'])} than plain Inductor's step (its "
+                f"fused loss holds one [N, V] buffer), {_lower(peak['unfused'])} than an unfused "
+                "step's (eager, aot_eager: the logits, or their float32 upcast, and their "
+                "log-probabilities at once in forward), net of the tiles' "
+                f"{_fmt_bytes(self.tile_buffer_bytes)}"
+            )
+        loss_grad = f"{self.loss_grad_ops}'s gradient {_fmt_bytes(sizes['loss_grad'])}"
         return (
             f"    logits avoided: {_fmt_bytes(self.forward_bytes_avoided)} in forward ({items(_FORWARD[:1])}"
             f"{returned}, {items(_FORWARD[1:])}), {_fmt_bytes(self.backward_bytes_avoided)} in backward "
@@ -160,7 +196,7 @@ class Rewrite:
             f"    peak memory: about {_lower(peak['inductor'])} than plain Inductor's step (its "
             f"fused loss holds one [N, V] buffer), {_lower(peak['unfused'])} than an unfused "
             "step's (eager, aot_eager: saved log-probabilities, "
-            f"{items(['loss_grad'])} and logits gradient at once in backward), net of the tiles' "
+            f"{loss_grad} and logits gradient at once in backward), net of the tiles' "
             f"{_fmt_bytes(self.tile_buffer_bytes)}"
         )
 

@@ -26,13 +26,15 @@ from tile_pass._logging import log
 from tile_pass._options import TileOptions
 from tile_pass.match import _region_match, _rules
 from tile_pass.match._fold_loops import fold_row_loops
+from tile_pass.match._functionalize import functionalize_writes
 from tile_pass.match._fx import NoMatch, as_linear, describe, val
+from tile_pass.match._op_facts import RuleKind, facts_for
 from tile_pass.match._rules import LOSS_SIGNATURES, bind
 from tile_pass.plan import _weight_grad
 from tile_pass.plan._plan import RegionCall, plan_tiles
 from tile_pass.plan._tiling import TileSize, choose_tile_tokens
 from tile_pass.plan._weight_grad import WeightGradSchedule
-from tile_pass.program._region import Layout
+from tile_pass.program._region import Layout, Step
 from tile_pass.report import GraphReport, Rewrite, Skip, logits_bytes_fields, source_line
 from tile_pass.splice import _splice
 from tile_pass.splice._returned_logits import ReturnedLogits
@@ -65,16 +67,21 @@ def rewrite_graph(gm: torch.fx.GraphModule, options: TileOptions, *, graph_index
     pristine = _copy_graph(gm.graph)
     region: list[torch.fx.Node] = []  # the nodes of the region being rewritten, for the report
     try:
-        # per-row loops (TRL's selective_log_softmax) folded into one row-wise op, kept only if
-        # that lets the pass tile a region; else the regions are found again in Dynamo's graph
+        # in-place writes replayed out of place (verl's logits.div_(T)), and per-row loops (TRL's
+        # selective_log_softmax) folded into one row-wise op: each kept only if that lets the pass
+        # tile a region; else the regions are found again in the graph without it
+        functionalized = functionalize_writes(gm)
         if fold_row_loops(gm):
             result = _rewrite_regions(gm, graph_index, options, region)
             if result.report.rewrites:
                 result.original_graph = pristine
                 return result
-            gm.graph = _copy_graph(pristine)
-            gm.recompile()
+            _restore(gm, pristine)
+            if functionalized:
+                functionalize_writes(gm)
         result = _rewrite_regions(gm, graph_index, options, region)
+        if functionalized and not result.report.rewrites:
+            _restore(gm, pristine)  # the reasons stand: they name the ops as the user wrote them
         result.original_graph = pristine
         return result
     except Exception as error:
@@ -103,6 +110,11 @@ def is_region_node(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     return node.target is run_region or (getattr(node.target, "namespace", None) == "tile_pass")
+
+
+def _restore(gm: torch.fx.GraphModule, pristine: torch.fx.Graph) -> None:
+    gm.graph = _copy_graph(pristine)
+    gm.recompile()
 
 
 def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
@@ -241,6 +253,7 @@ def _rewritten(
     # the loop's head: this rank's vocabulary rows when sharded
     shape = (optimization_hint(vocab, fallback=4096), optimization_hint(weight.shape[1], fallback=4096))
     tile_plan = plan_tiles(tokens, tokens, tile, shape, dtype, weight.device, options.compile_tiles)
+    backward = any(o.differentiable for o in region.outputs)  # none under torch.no_grad()
     returned = [val(o.node) for o in region.outputs if o.shape.layout is Layout.ROWS]
     returned += [val(node) for node in region.kept_whole]
     kept = sum(value.numel() * value.element_size() for value in returned)
@@ -260,22 +273,41 @@ def _rewritten(
         hidden_size=_plain(weight.shape[1]),
         vocab_size=_plain(vocab if shard is None else shard[2]),
         dtype=str(dtype).replace("torch.", ""),
-        reduction=_reduction_text(region, covered),
+        reduction=_reduction_text(region, covered, backward),
         tile_tokens=tile_plan.tile,
         num_tiles=_plain((num_tokens + tile_plan.tile - 1) // tile_plan.tile),
-        **logits_bytes_fields(num_tokens * vocab, dtype.itemsize, kept, tile_plan.tile_bytes, _plain),
+        **logits_bytes_fields(
+            num_tokens * vocab, dtype.itemsize, kept, tile_plan.tile_bytes, _plain, backward=backward
+        ),
         returned_logits=splice.returned_logits,
         returned_logits_bytes=_plain(kept),
         compiled_tiles=options.compile_tiles,
-        weight_grad_sum=_weight_grad_sum(tile_plan.schedule if weight.requires_grad else None, dtype),
+        weight_grad_sum=_weight_grad_sum(
+            tile_plan.schedule if weight.requires_grad and backward else None, dtype
+        ),
         token_skipping=_token_skipping(region),
+        backward=backward,
+        loss_grad_ops=_loss_grad_ops(region.program),
     )
 
 
-def _reduction_text(region, covered: set) -> str:
+def _loss_grad_ops(program) -> str:
+    """The ops that turn each row of ``[N, V]`` values into per-token values, whose ``[N, V]``
+    input gradient an unfused backward makes (a cross entropy's is ``nll_loss``'s)."""
+    kinds = {
+        step.target: facts.kind for step in program.steps if (facts := facts_for(step.target)) is not None
+    }
+    if RuleKind.LOSS in kinds.values():
+        return "nll_loss"
+    names = {Step.describe(step): None for step in program.steps
+             if kinds.get(step.target) in (RuleKind.GATHER, RuleKind.VOCAB_REDUCTION)}  # fmt: skip
+    return " and ".join(names) or "the loss"
+
+
+def _reduction_text(region, covered: set, backward: bool = True) -> str:
     """The eager reduction of the region's one loss call when that loss is all it computes
-    (beside returned logits),
-    and whether the op forms the loss's gradient in forward (one scalar) or in backward."""
+    (beside returned logits), else the steps of a hand-written scalar loss's reduction,
+    and whether the op forms the loss's gradient in forward (one scalar), in backward, or not at all."""
     calls = [n for n in covered if n.op == "call_function" and n.target in LOSS_SIGNATURES]
     eager = None
     if len(calls) == 1 and [o.node for o in region.outputs if o.shape.layout is not Layout.ROWS] == calls:
@@ -286,7 +318,14 @@ def _reduction_text(region, covered: set) -> str:
         if not region.program.reduction.linear:
             scalar = ("one scalar loss, nonlinear in the tokens' outputs (its gradient formed in forward, "
                       "each tile holding the tokens the loss couples)")  # fmt: skip
-        return f"{eager}: {scalar}" if eager else scalar
+        steps = " -> ".join(
+            step.describe()
+            for step in region.program.reduction.steps  # the user's ops
+            if not getattr(step.target, "__module__", "").startswith("tile_pass")
+        )
+        return f"{eager or steps}: {scalar}"
+    if not backward:
+        return eager or "per-token outputs (no gradient: no output needs one, so no backward runs)"
     return eager or "per-token outputs (gradient re-derived in backward)"
 
 
