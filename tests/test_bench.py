@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -37,6 +38,36 @@ def test_one_row_per_implementation_plus_the_gemm_floor(rows):
         assert row["peak_mib"] >= 0
         assert len(row["steps_s"]) == 1 and row["steps_s"] == sorted(row["steps_s"])
         assert row["median_s"] == pytest.approx(statistics.median(row["steps_s"]), abs=1e-4)
+
+
+def test_steps_are_timed_under_the_users_allocator_and_the_peak_under_a_pinned_one(rows, monkeypatch):
+    """The timing child inherits this process's allocator (no 64 KiB mmap threshold forced on it:
+    that setting maps every block afresh, page faults a training process does not pay), records
+    each step's minor page faults, and only its peak step runs with the threshold pinned."""
+    inherited = {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    for row in rows:
+        assert row["allocator"]["timing"] == (inherited or "glibc defaults"), row["impl"]
+        assert row["faults_median"] >= 0
+    for row in rows[1:]:
+        assert len(row["faults_per_step"]) == len(row["steps_s"]) == row["repeats"]
+        assert row["allocator"]["peak"] == {"M_MMAP_THRESHOLD": 65536, "M_TRIM_THRESHOLD": 0}
+    eager = next(r for r in rows if r["impl"] == "eager")
+    # pinned, each block above 64 KiB is a fresh mapping: eager's logits alone fault every page in
+    assert eager["peak_step_faults"] >= eager["logits_mib"] * 2**20 / 4096
+
+
+def test_every_table_names_the_cpu_and_the_allocator_settings(rows):
+    machine = bench.machine_info()
+    table = bench.format_table(rows, machine=machine)
+    caption = table.splitlines()[0]
+    assert caption.startswith(f"CPU: {machine['cpu']}") and f"{machine['cores']} cores" in caption
+    assert "glibc defaults" in caption or "MALLOC_" in caption
+    assert "M_MMAP_THRESHOLD=65536" in caption and "faults/step" in table.splitlines()[1]
+    markdown = bench.format_table(rows, markdown=True, machine=machine)
+    assert markdown.startswith("*CPU: ") and "| faults/step |" in markdown
+    if "vector_isa" in machine:
+        assert " ".join(machine["vector_isa"]) in caption
+        assert set(machine["gemm_isa"]) <= set(machine["vector_isa"]) | {"amx_tile", "amx_bf16"}
 
 
 def test_gemm_floor_sums_the_fastest_library_per_gemm(rows):
@@ -163,7 +194,7 @@ def test_interleaved_rounds_time_every_row_of_a_shape_and_the_ratios_use_them():
     )  # fmt: skip
     for row in rows:
         assert "error" not in row and "interleaved_error" not in row, row
-        assert len(row["interleaved_steps_s"]) == 3
+        assert len(row["interleaved_steps_s"]) == len(row["interleaved_faults"]) == 3
         assert row["interleaved_s"] == pytest.approx(statistics.median(row["interleaved_steps_s"]), abs=1e-4)
     ce, z_loss = rows
     rounds = zip(z_loss["interleaved_steps_s"], ce["interleaved_steps_s"], strict=True)

@@ -11,6 +11,11 @@ parameters. ``MALLOC_MMAP_THRESHOLD_`` is pinned so freed tensors go back to the
 the resident size is a true baseline; the timed steps that follow run under glibc's own
 steady-state thresholds (:func:`allocator_steady_state`). On CUDA it is
 ``torch.cuda.max_memory_allocated`` above the allocated bytes before the step.
+
+The benchmark (:func:`measure_split`) separates the two: its child starts with the allocator a
+user's process has, times the steps there with their minor page faults, and only then pins
+glibc's thresholds (:func:`pin_allocator_for_peak`) for the peak step, so no timing pays for
+the settings that make a peak readable.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -234,19 +240,105 @@ def training_step(fn, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
 
 
 FRESH_PROCESS_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+#: the glibc settings under which a peak is readable (every freed block leaves the resident set),
+#: set at run time by :func:`pin_allocator_for_peak` with the same values as :data:`FRESH_PROCESS_ENV`
+PEAK_ALLOCATOR = {"M_MMAP_THRESHOLD": 64 * 1024, "M_TRIM_THRESHOLD": 0}
 
 
-def run_fresh(argv: list[str], timeout: float = 1800, env: dict[str, str] | None = None) -> dict:
+def allocator_env() -> dict[str, str]:
+    """The glibc allocator variables this process was started with (``{}``: glibc's defaults,
+    a dynamic mmap threshold from 128 KiB up to 32 MiB), as the rows record them."""
+    return {
+        name: value for name, value in os.environ.items() if name.startswith(("MALLOC_", "GLIBC_TUNABLES"))
+    }
+
+
+def pin_allocator_for_peak() -> bool:
+    """Switch glibc to :data:`PEAK_ALLOCATOR` and return its free memory to the OS, so that the
+    next step's ``VmHWM`` above the resident size is what that step needs.
+
+    Run after the timed steps: the switch fixes glibc's thresholds for the rest of the process
+    (it no longer adapts them), which is what a timing must not see. ``False`` where glibc is not
+    the allocator (the peak then includes whatever the allocator keeps).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, PEAK_ALLOCATOR["M_MMAP_THRESHOLD"])
+        libc.mallopt(_M_TRIM_THRESHOLD, PEAK_ALLOCATOR["M_TRIM_THRESHOLD"])
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (pages first touched: a fresh mapping's cost)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def timed_faults(fn, device: torch.device) -> tuple:
+    """``(fn(), seconds, minor page faults)`` of one call."""
+    before = minor_faults()
+    result, seconds = timed(fn, device)
+    return result, seconds, minor_faults() - before
+
+
+class SplitMeasurement(NamedTuple):
+    times: list[float]  # seconds of the timed steps, in order, under the process's own allocator
+    faults: list[int]  # minor page faults of each timed step
+    peak_above: int  # peak bytes of the peak step (PEAK_ALLOCATOR) above the resident size before it
+    peak_faults: int  # that step's minor page faults: every block above 64 KiB freshly mapped
+    peak_step_s: float  # that step's time
+    peak_above_steady: int  # the peak of one more step under the process's own allocator
+    loss: torch.Tensor  # of the last timed step
+    peak_pinned: bool  # whether PEAK_ALLOCATOR could be set (glibc)
+
+
+def measure_split(step, device: torch.device, repeats: int) -> SplitMeasurement:
+    """Time ``repeats`` steps under the allocator this process was started with (a user's
+    process: glibc's defaults unless its environment says otherwise), counting each step's
+    minor page faults; then one step's peak under those settings; then switch glibc to
+    :data:`PEAK_ALLOCATOR` (:func:`pin_allocator_for_peak`) and measure the readable peak.
+
+    Timing first, peak last: a peak setting maps and unmaps every block above 64 KiB, so a step
+    timed under it pays page faults per allocation that a training process does not.
+    """
+    times, faults = [], []
+    loss = None
+    for _ in range(max(1, repeats)):
+        loss, seconds, count = timed_faults(step, device)
+        times.append(seconds)
+        faults.append(count)
+    base = reset_peak_memory(device)
+    step()
+    peak_above_steady = peak_memory(device) - base
+    pinned = device.type == "cpu" and pin_allocator_for_peak()
+    base = reset_peak_memory(device)
+    _, peak_step_s, peak_faults = timed_faults(step, device)
+    peak_above = peak_memory(device) - base
+    return SplitMeasurement(
+        times, faults, peak_above, peak_faults, peak_step_s, peak_above_steady, loss, pinned
+    )
+
+
+def run_fresh(
+    argv: list[str],
+    timeout: float = 1800,
+    env: dict[str, str] | None = None,
+    allocator: dict[str, str] | None = None,
+) -> dict:
     """Run ``python *argv`` in a fresh interpreter; parse the JSON of its last output line.
 
-    ``env`` adds variables on top of :data:`FRESH_PROCESS_ENV` (e.g. an Inductor switch that
-    must be set before torch is imported).
+    ``env`` adds variables on top of ``allocator`` (default :data:`FRESH_PROCESS_ENV`; ``{}``
+    leaves the parent's allocator settings, glibc's defaults unless set), e.g. an Inductor switch
+    that must be set before torch is imported.
     """
+    allocator = FRESH_PROCESS_ENV if allocator is None else allocator
     proc = subprocess.run(
         [sys.executable, *argv],
         capture_output=True,
         text=True,
-        env=dict(os.environ, **FRESH_PROCESS_ENV, **(env or {})),
+        env=dict(os.environ, **allocator, **(env or {})),
         timeout=timeout,
     )
     if proc.returncode != 0:

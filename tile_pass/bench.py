@@ -8,12 +8,17 @@
 
 Every (implementation, shape, dtype) is measured in its own fresh interpreter, so no
 allocator cache, compiled artefact or Inductor config of one implementation leaks into
-another. In that child: compile and warm up (the first call), one step for peak memory
-above the inputs, then ``repeats`` steady forward+backward steps for time (median; under
-the allocator's steady state, see :mod:`tile_pass._measure`), then the loss and both
-gradients are compared with eager float64 computed on the same data in the same process
-(chunked over tokens, so the check never needs the ``[N, V]`` float64 logits). Errors are
-``max|x - ref| / max|ref|``.
+another. In that child: compile and warm up (the first call), then ``repeats`` steady
+forward+backward steps for time (median) with the minor page faults of each, under the
+allocator the user's process has (the child inherits the parent's environment: glibc's
+defaults unless the user set ``MALLOC_*``); then one step's peak under those settings; then
+glibc is pinned to a 64 KiB mmap threshold and no trim threshold and one more step measures
+the peak above the inputs (every freed block leaves the resident set, so the peak is
+readable; see :func:`tile_pass._measure.measure_split`). Then the loss and both gradients
+are compared with eager float64 computed on the same data in the same process (chunked over
+tokens, so the check never needs the ``[N, V]`` float64 logits). Errors are
+``max|x - ref| / max|ref|``. Every table is captioned with the CPU (model, family/model,
+cores, vector extensions) and the allocator settings, which the JSON records too.
 
 The "gemm_floor" row times the three GEMMs a step cannot avoid (``h @ W.T``,
 ``dlogits @ W``, ``dlogits.T @ h``) on the same shape, each in every GEMM library the
@@ -49,12 +54,14 @@ import torch.nn.functional as F
 from tile_pass import _bench_forms, _bench_host
 from tile_pass._measure import (
     LOSS_FORMS,
+    PEAK_ALLOCATOR,
     MiB,
-    allocator_steady_state,
+    allocator_env,
     form_inputs,
-    measure_steps,
+    measure_split,
     run_fresh,
     timed,
+    timed_faults,
     training_step,
 )
 from tile_pass.plan import _plan
@@ -363,16 +370,21 @@ def _gemm_floor(cfg: BenchConfig) -> dict[str, Any]:
     device = torch.device(cfg.device)
     names, libraries = _floor_operands(cfg)
     first = sum(timed(gemm, device)[1] for gemm in libraries["aten"])
-    allocator_steady_state()  # timed as every implementation is (see measure_steps)
-    per_library = {}
+    per_library = {}  # timed under the process's own allocator, as every implementation is
+    faults = {}
     for library, gemms in libraries.items():
         for gemm in gemms:  # a second warm-up: thread pools and allocator settle
             gemm()
-        runs = [[timed(gemm, device)[1] for gemm in gemms] for _ in range(max(1, cfg.repeats))]
-        per_library[library] = [statistics.median(column) for column in zip(*runs, strict=True)]
+        runs = [[timed_faults(gemm, device)[1:] for gemm in gemms] for _ in range(max(1, cfg.repeats))]
+        per_library[library] = [statistics.median(t for t, _ in column) for column in zip(*runs, strict=True)]
+        faults[library] = [statistics.median(f for _, f in column) for column in zip(*runs, strict=True)]
     fastest = [min(times) for times in zip(*per_library.values(), strict=True)]
+    chosen = [min(per_library, key=lambda name, i=i: per_library[name][i]) for i in range(len(fastest))]
     return {
         "median_s": sum(fastest),
+        # the faults of the fastest library's GEMMs (each writes a fresh output, as a step does)
+        "faults_median": sum(faults[library][i] for i, library in enumerate(chosen)),
+        "allocator": {"timing": allocator_env() or "glibc defaults"},
         "first_call_s": first,
         "compile_s": 0.0,
         "gemms": names,
@@ -427,7 +439,8 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
     hidden.grad = None
     weight.grad = None
     with _plan.recorded() as plans:  # what the tile loops ran: the plan depends on the labels
-        times, peak, loss, memory_step_s, peak_steady = measure_steps(step, device, cfg.repeats)
+        measured = measure_split(step, device, cfg.repeats)
+    times, loss, peak = sorted(measured.times), measured.loss, measured.peak_above
     median = statistics.median(times)
     notes = []
     fallback = [str(w.message) for w in caught if "linear_cross_entropy" in str(w.message)]
@@ -464,14 +477,23 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
         median_s=median,
         # every timed step, sorted: the spread behind the median (this VM's steps vary by 10-20%)
         steps_s=[round(t, 4) for t in times],
+        # minor page faults of each timed step, in step order (times_in_order beside them)
+        faults_per_step=measured.faults,
+        steps_in_order_s=[round(t, 4) for t in measured.times],
+        faults_median=statistics.median(measured.faults),
         first_call_s=first,
-        # the first call and the memory step both run under the pinned allocator (every
-        # allocation freshly mapped), so their difference is the compile, not page faults
-        compile_s=max(0.0, first - memory_step_s),
-        memory_step_s=memory_step_s,
+        # the first call maps its buffers fresh (glibc's threshold starts at 128 KiB) as the
+        # peak step does under the pinned allocator, so their difference is the compile, not faults
+        compile_s=max(0.0, first - measured.peak_step_s),
+        memory_step_s=measured.peak_step_s,
+        peak_step_faults=measured.peak_faults,
         peak_mib=peak / MiB,
-        # the same step's peak under glibc's own thresholds (allocation history included)
-        peak_glibc_mib=peak_steady / MiB,
+        # the same step's peak under the timing's allocator (glibc's own thresholds, history included)
+        peak_glibc_mib=measured.peak_above_steady / MiB,
+        allocator={
+            "timing": allocator_env() or "glibc defaults",
+            "peak": PEAK_ALLOCATOR if measured.peak_pinned else "as timing (allocator not glibc)",
+        },
         # what the step needs beyond the gradients it must return (hidden and weight, model dtype)
         extra_mib=(peak - (cfg.tokens + cfg.vocab) * cfg.hidden * itemsize) / MiB,
         graphs=_graph_count(),
@@ -509,8 +531,10 @@ def exactness(row: dict[str, Any]) -> dict[str, Any]:
     return {"exact": not bad, **({"inexact": ", ".join(f"{k}={row.get(k)}" for k in bad)} if bad else {})}
 
 
-def run_interleaved(cfgs: Sequence[BenchConfig], rounds: int) -> list[list[float]]:
-    """Each config's step times, measured in this one process with the steps interleaved.
+def run_interleaved(cfgs: Sequence[BenchConfig], rounds: int) -> list[dict[str, list]]:
+    """Each config's step times and minor page faults (``{"times": [...], "faults": [...]}``,
+    by round), measured in this one process with the steps interleaved, under the allocator the
+    process was started with.
 
     ``cfgs`` share one shape (any implementations and forms). Every round runs one step of each,
     every other round in reverse order, so a slow spell of the machine costs every config alike;
@@ -532,13 +556,14 @@ def run_interleaved(cfgs: Sequence[BenchConfig], rounds: int) -> list[list[float
         step()  # compile
         step()  # and one warm step
         steps.append(step)
-    allocator_steady_state()
-    times: list[list[float]] = [[] for _ in cfgs]
+    measured: list[dict[str, list]] = [{"times": [], "faults": []} for _ in cfgs]
     for round_index in range(rounds):
         order = range(len(cfgs)) if round_index % 2 == 0 else reversed(range(len(cfgs)))
         for i in order:
-            times[i].append(timed(steps[i], device)[1])
-    return times
+            _, seconds, faults = timed_faults(steps[i], device)
+            measured[i]["times"].append(seconds)
+            measured[i]["faults"].append(faults)
+    return measured
 
 
 # ------------------------------------------------------------------ the parent process
@@ -608,7 +633,9 @@ def measure_fresh(
     if cfg.impl == "autochunker":
         env["TORCHINDUCTOR_AUTO_CHUNKER"] = "1"
     try:
-        return run_fresh(["-m", "tile_pass.bench", "--child", json.dumps(asdict(cfg))], timeout, env)
+        argv = ["-m", "tile_pass.bench", "--child", json.dumps(asdict(cfg))]
+        # the user's allocator (glibc's defaults unless set): the child pins it for the peak itself
+        return run_fresh(argv, timeout, env, allocator={})
     except subprocess.TimeoutExpired:
         return {**row, "error": f"timed out after {timeout:.0f} s"}
     except RuntimeError as exc:
@@ -753,14 +780,17 @@ def _time_interleaved(configs, rows, rounds: int, timeout: float, warm_cache: bo
     argv = ["-m", "tile_pass.bench", "--child-interleaved", str(rounds), configs_json]
     env = {} if warm_cache else {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
     try:
-        result = run_fresh(argv, timeout * len(measured), env)
+        result = run_fresh(argv, timeout * len(measured), env, allocator={})
     except (subprocess.TimeoutExpired, RuntimeError) as exc:
         result = [str(exc).splitlines()[-1][:200] if str(exc) else "failed"] * len(measured)
     for (_, row), steps in zip(measured, result, strict=True):
         if isinstance(steps, str):
             row["interleaved_error"] = steps
         else:
-            row["interleaved_s"], row["interleaved_steps_s"] = statistics.median(steps), steps  # by round
+            row["interleaved_s"] = statistics.median(steps["times"])
+            row["interleaved_steps_s"] = steps["times"]  # by round
+            row["interleaved_faults"] = steps["faults"]
+            row["interleaved_faults_median"] = statistics.median(steps["faults"])
 
 
 def dynamic_lengths(top: int, hidden: int, vocab: int) -> list[int]:
@@ -810,10 +840,13 @@ COLUMNS = (
     ("vocab", "V", "{}"),
     ("dtype", "dtype", "{}"),
     ("median_s", "step s", "{:.3f}"),
+    ("faults_median", "faults/step", "{:.0f}"),
     ("interleaved_s", "interleaved s", "{:.3f}"),
+    ("interleaved_faults_median", "int. faults", "{:.0f}"),
     ("peak_mib", "peak MiB", "{:.0f}"),
     ("extra_mib", "extra MiB", "{:.0f}"),
     ("peak_glibc_mib", "glibc MiB", "{:.0f}"),
+    ("peak_step_faults", "peak faults", "{:.0f}"),
     ("compile_s", "compile s", "{:.1f}"),
     ("recompiles", "recomp", "{}"),
     ("err_loss", "err loss", "{:.1e}"),
@@ -835,6 +868,10 @@ COLUMNS = (
 _TIMES = ("median_s", "interleaved_s", "time_x_inductor", "time_x_floor", "time_x_ce", "compile_x_inductor")
 
 
+#: the columns of a step's memory and compile, which the GEMM floor has none of
+_NOT_FLOOR = ("peak_mib", "extra_mib", "peak_glibc_mib", "compile_s", "peak_step_faults")
+
+
 def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     if key == "note" and "error" in row:
         return "ERROR: " + row["error"]
@@ -843,22 +880,55 @@ def _cell(row: dict[str, Any], key: str, fmt: str) -> str:
     value = row.get(key)
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    if row["impl"] == FLOOR and key in ("peak_mib", "extra_mib", "peak_glibc_mib", "compile_s"):
+    if row["impl"] == FLOOR and key in _NOT_FLOOR:
         return "-"
     return fmt.format(value)
 
 
-def format_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
-    """The rows as an aligned text table (or a Markdown table)."""
+def table_caption(machine: dict[str, Any], rows: Sequence[dict[str, Any]] = ()) -> str:
+    """What a table was measured on and under which allocator settings: numbers of one CPU
+    model do not carry to another (AVX2 and AVX-512 machines order the implementations
+    differently), and a step timed under a peak-reading allocator pays page faults a training
+    process does not."""
+    timing = next((r["allocator"]["timing"] for r in rows if isinstance(r.get("allocator"), dict)), None)
+    timing = timing if timing is not None else allocator_env() or "glibc defaults"
+    if isinstance(timing, dict):
+        timing = " ".join(f"{k}={v}" for k, v in timing.items())
+    peak = " ".join(f"{k}={v}" for k, v in PEAK_ALLOCATOR.items())
+    return (
+        f"CPU: {cpu_label(machine)}; torch {machine.get('torch', '?')}; "
+        f"steps timed under {timing} (faults/step: minor page faults); peak step under mallopt {peak}"
+    )
+
+
+def cpu_label(machine: dict[str, Any]) -> str:
+    """``AMD EPYC (family/model 26/2), 2 cores, avx2 avx512f ...``: the model name alone does not
+    tell EPYC generations apart."""
+    label = str(machine.get("cpu", "?"))
+    if "cpu_family_model" in machine:
+        label += f" (family/model {machine['cpu_family_model']})"
+    label += f", {machine.get('cores', '?')} cores"
+    if machine.get("vector_isa"):
+        label += ", " + " ".join(machine["vector_isa"])
+    return label
+
+
+def format_table(
+    rows: Sequence[dict[str, Any]], markdown: bool = False, machine: dict[str, Any] | None = None
+) -> str:
+    """The rows as an aligned text table (or a Markdown table), under a caption naming the CPU
+    and the allocator settings (:func:`table_caption`) where ``machine`` is given."""
     header = [title for _, title, _ in COLUMNS]
     body = [[_cell(row, key, fmt) for key, _, fmt in COLUMNS] for row in rows]
+    caption = [table_caption(machine, rows)] if machine is not None else []
     if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        caption = [f"*{line}*\n" for line in caption]
+        lines = [*caption, "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
         return "\n".join(lines)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-                     for cells in [header, *body])  # fmt: skip
+    return "\n".join(caption + ["  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+                                 for cells in [header, *body]])  # fmt: skip
 
 
 def format_dynamic(rows: Sequence[dict[str, Any]]) -> str:
@@ -881,6 +951,9 @@ def format_dynamic(rows: Sequence[dict[str, Any]]) -> str:
 #: bf16 GEMM floor of the Xeon (AMX) and the AMD EPYC this project ran on differ by 1.45x, and
 #: lscpu names every EPYC generation "AMD EPYC", so the rows record the flags and family/model
 _GEMM_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+#: the vector extensions a row records (``vector_isa``): the width decides what Inductor's fused
+#: softmax and the tiles' passes cost per row of logits
+_VECTOR_PREFIXES = ("avx2", "avx512", "avx_vnni", "amx", "fma")
 
 
 def machine_info() -> dict[str, Any]:
@@ -904,6 +977,7 @@ def machine_info() -> dict[str, Any]:
     if "Flags" in facts:
         flags = set(facts["Flags"].split())
         info["gemm_isa"] = [flag for flag in _GEMM_FLAGS if flag in flags]
+        info["vector_isa"] = sorted(flag for flag in flags if flag.startswith(_VECTOR_PREFIXES))
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -990,7 +1064,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name in names:
             if name not in known:
                 raise SystemExit(f"unknown {what} {name!r}; choose from {', '.join(known)}")
-    result: dict[str, Any] = {"machine": machine_info(), "argv": list(sys.argv[1:] if argv is None else argv)}
+    machine = machine_info()
+    result: dict[str, Any] = {
+        "machine": machine,
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        # the timing children's allocator (inherited from this process) and the peak step's
+        "allocator": {"timing": allocator_env() or "glibc defaults", "peak": PEAK_ALLOCATOR},
+        "load_before": os.getloadavg(),
+    }
 
     def progress(row: dict[str, Any]) -> None:
         if not args.quiet:
@@ -1006,6 +1087,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             device=args.device, timeout=args.timeout, warm_cache=args.warm_cache,
         )  # fmt: skip
         result["dynamic"] = rows
+        print(table_caption(machine))
         print(format_dynamic(rows))
     else:
         if args.quick:
@@ -1024,7 +1106,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             interleave=args.interleave,
         )  # fmt: skip
         result["rows"] = rows
-        print(format_table(rows, markdown=args.markdown))
+        print(format_table(rows, markdown=args.markdown, machine=machine))
+    result["load_after"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=1, default=str)
