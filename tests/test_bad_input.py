@@ -25,6 +25,7 @@ summarises what this covers; ``python tests/test_bad_input.py`` prints its table
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -529,3 +530,69 @@ def test_all_ignored_masked_mean_is_nan_as_eager(device, ignored):
         assert torch.equal(got.isnan(), eager.isnan())
         torch.testing.assert_close(got, eager, equal_nan=True)
     assert results[0][1].isnan().all() == (ignored == "all")
+
+
+# ------------------------------------------------- what eager refuses and Inductor accepts (issue 47)
+
+
+def _int32_labels():
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(N, H, generator=g).requires_grad_()
+    w = torch.randn(V, H, generator=g).requires_grad_()
+    return h, w, torch.randint(0, V, (N,), generator=g, dtype=torch.int32)
+
+
+def _eager_raises_warnings(caplog):
+    return [r for r in caplog.records if r.name == "tile_pass" and "eager raises on this input" in r.message]
+
+
+def test_int32_labels_under_inductor_warn_once_with_the_reason_and_the_line(caplog):
+    """Eager raises on int32 class indices; Inductor, with the region left untouched, returns a
+    loss as plain Inductor does. The step must not pass silently: one WARNING naming why the
+    region was skipped and the user's line, however many steps run."""
+    args = _int32_labels()
+    eager = _error(_loss, *args)
+    assert type(eager) is RuntimeError and "expected target dtype to be Long" in str(eager)
+    backend = tile_pass.backend("inductor")
+    step = torch.compile(_loss, backend=backend)
+    with caplog.at_level(logging.WARNING, logger="tile_pass"):
+        losses = [step(*args) for _ in range(2)]
+    torch.testing.assert_close(losses[0], _loss(args[0], args[1], args[2].long()))  # Inductor's own loss
+    (warning,) = _eager_raises_warnings(caplog)
+    assert warning.levelno == logging.WARNING
+    assert "torch.int32 target; eager expects int64" in warning.message, warning.message
+    assert "test_bad_input.py:" in warning.message and "F.cross_entropy(F.linear(h, w).float(), y)" in (
+        warning.message
+    )
+    (skip,) = backend.report().skipped
+    assert skip.eager_raises and not backend.report().rewrites
+
+
+def test_int32_labels_under_aot_eager_raise_eagers_error_without_a_warning(caplog):
+    """With an inner compiler that runs the graph as eager does, the step raises eager's error
+    itself: no warning is added to it."""
+    args = _int32_labels()
+    with caplog.at_level(logging.WARNING, logger="tile_pass"):
+        got = _error(torch.compile(_loss, backend=tile_pass.backend("aot_eager")), *args)
+    assert "expected target dtype to be Long" in str(got)
+    assert not _eager_raises_warnings(caplog)
+
+
+def test_explain_on_int32_labels_returns_a_report_saying_eager_raises():
+    report = tile_pass.explain(_loss, *_int32_labels())
+    assert not report.rewrites and report.skipped[0].eager_raises, str(report)
+    assert report.eager_error == "RuntimeError: expected target dtype to be Long or Byte, but got Int"
+    assert str(report).endswith(f"eager raises on this input: {report.eager_error}")
+    assert report.to_dict()["eager_error"] == report.eager_error
+
+
+def test_explain_still_raises_an_error_the_pass_did_not_skip_for():
+    """Only eager's error on an input the pass refused for it is reported; any other error of the
+    user's function is raised as before."""
+
+    def broken(h, w, y):
+        return F.cross_entropy(F.linear(h, w).float(), y) + torch.ones(3) @ torch.ones(4)
+
+    h, w, y = _int32_labels()
+    with pytest.raises(RuntimeError, match="size"):
+        tile_pass.explain(broken, h, w, y.long())

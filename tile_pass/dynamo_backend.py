@@ -98,6 +98,7 @@ class Backend:
         self.tiling = tile_options("tile_pass.Backend", tiling, tile_fields, _SETTINGS).resolved(inner)
         self._inner = _resolve_inner(inner, mode, self.options)
         self._graphs_seen = 0
+        self._warned_eager_raises: set[str] = set()  # warn once per skipped region and reason
         self._last_break: str | None = None  # where Dynamo broke the graph it handed us last, and why
         self.reports: collections.deque[GraphReport] = collections.deque(maxlen=max(1, keep_reports))
 
@@ -134,6 +135,7 @@ class Backend:
         self.reports.append(report)
         for decision in [*report.rewrites, *report.skipped]:
             log.info("%s", decision)
+        _warn_eager_raises(self, report)
         if report.rewrites:
             log.debug("rewritten graph %d:\n%s", report.index, gm.code)
         _dump.emit(gm, before, report, dump_dir)
@@ -188,8 +190,15 @@ class Backend:
         planned = dataclasses.replace(self.tiling, run_compiled_tiles=False)
         recorder = Backend("eager", tiling=planned, dump_dir=self.dump_dir, keep_reports=1024)
         breaks_before = collections.Counter(torch._dynamo.utils.counters["graph_break"])
-        torch.compile(fn, backend=recorder)(*args, **kwargs)
+        eager_error = ""
+        try:
+            torch.compile(fn, backend=recorder)(*args, **kwargs)
+        except Exception as error:  # eager's own error on an input the pass refused for it: report it
+            if not any(skip.eager_raises for skip in recorder.report().skipped):
+                raise
+            eager_error = f"{type(error).__name__}: {_first_line(error)}"
         report = recorder.report()
+        report.eager_error = eager_error
         new_breaks = torch._dynamo.utils.counters["graph_break"] - breaks_before
         report.graph_breaks = [_summarise_break(reason) for reason in new_breaks]
         return report
@@ -277,6 +286,28 @@ def tile_pass_backend(
     """``backend="tile_pass"``: the default configuration, inner compiler inductor;
     ``torch.compile``'s ``mode=`` and ``options=`` reach that Inductor."""
     return default_backend()(gm, example_inputs, **compile_options)
+
+
+def _warn_eager_raises(backend: Backend, report: GraphReport) -> None:
+    """A region skipped because eager raises on its input runs as the inner compiler makes it:
+    eager and aot_eager raise eager's error at the step, but Inductor may return a value (an
+    int32 target's loss) where eager refuses, which the step alone would never show."""
+    if backend.inner in ("eager", "aot_eager"):
+        return
+    for skip in report.skipped:
+        key = f"{skip.loss_source}: {skip.reason}"
+        if skip.eager_raises and key not in backend._warned_eager_raises:
+            backend._warned_eager_raises.add(key)
+            log.warning(
+                "tile_pass: eager raises on this input, so the region at %s was left as Dynamo gave it and "
+                "the inner compiler runs it as it is (Inductor may return a value where eager raises): %s",
+                skip.loss_source, skip.reason,
+            )  # fmt: skip
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message without Dynamo's appended context (user stack, hints)."""
+    return str(error).strip().split("\n", 1)[0]
 
 
 def explain(fn: Callable, *args: Any, tiling: TileOptions | None = None, **kwargs: Any) -> Report:

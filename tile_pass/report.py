@@ -208,6 +208,9 @@ class Skip:
     graph: int
     loss_source: str
     reason: str
+    #: skipped because eager raises on this input (an int32 target): the region is left as Dynamo
+    #: gave it, so the inner compiler decides; Inductor accepts some of these and returns a value
+    eager_raises: bool = False
 
     def __str__(self) -> str:
         return f"[graph {self.graph}] SKIPPED {self.loss_source}\n    why: {self.reason}"
@@ -234,6 +237,9 @@ class Report:
     #: what an integration (tile_pass.integrations) found in the stack around the model, e.g.
     #: TRL's own fused LM head; printed after the decisions
     hints: list[str] = field(default_factory=list)
+    #: ``explain``'s call raised where a region was skipped because eager raises on its input:
+    #: eager's error, reported instead of raised
+    eager_error: str = ""
 
     @property
     def rewrites(self) -> list[Rewrite]:
@@ -250,6 +256,7 @@ class Report:
             "skipped": [dataclasses.asdict(s) for s in self.skipped],
             "graph_breaks": list(self.graph_breaks),
             "hints": list(self.hints),
+            "eager_error": self.eager_error,
         }
 
     def to_json(self) -> str:
@@ -270,6 +277,8 @@ class Report:
             if hint := graph_break_hint(reason):
                 lines.append(f"    fix: {hint}")
         lines += [f"hint: {hint}" for hint in self.hints]
+        if self.eager_error:
+            lines.append(f"eager raises on this input: {self.eager_error}")
         return "\n".join(lines)
 
 

@@ -223,7 +223,8 @@ def _rewrite_row_regions(
             held = [loss for loss in losses if loss in depends]
             line = source_line(held[0]) if held else source_line(node)
             losses[:] = [loss for loss in losses if loss not in depends]
-            report.skipped.append(skipped_heads.setdefault(node, Skip(result.report.index, line, str(why))))
+            skip = Skip(result.report.index, line, str(why), eager_raises=why.eager_raises)
+            report.skipped.append(skipped_heads.setdefault(node, skip))
             continue
         losses[:] = [loss for loss in losses if loss not in covered]
         for head in covered & skipped_heads.keys():  # a teacher head computed first, now a partner

@@ -18,11 +18,15 @@ class NoMatch(Exception):
     """Why a candidate cannot be rewritten exactly, in plain language. As Inductor's ``FailedMatch``,
     the text is formatted when read (each fx node in ``format_args`` shown by :func:`describe`);
     ``node`` is the node that stopped the region (by default the first one the text names),
-    ``depends`` the nodes computed from the logits, whose own reports this one replaces."""
+    ``depends`` the nodes computed from the logits, whose own reports this one replaces;
+    ``eager_raises``: eager raises on this input, so a compiler that accepts it (Inductor) runs
+    what eager refuses, and the user is warned."""
 
-    def __init__(self, format_string: str, *format_args, node: torch.fx.Node | None = None):
+    def __init__(
+        self, format_string: str, *format_args, node: torch.fx.Node | None = None, eager_raises: bool = False
+    ):
         super().__init__(format_string, *format_args)
-        self.format_string, self.format_args = format_string, format_args
+        self.format_string, self.format_args, self.eager_raises = format_string, format_args, eager_raises
         self.node = node or next((a for a in format_args if isinstance(a, torch.fx.Node)), None)
         self.depends: set[torch.fx.Node] = set()
 

@@ -307,6 +307,7 @@ class RegionMatcher:
     ):  # fmt: skip
         self.graph, self.projection, self.autocast_states = graph, projection, autocast_states
         self.hidden, self.weight, self.bias, self.transpose, self.head_form = linear
+        self.bias_added = False  # the bias is an add after the matmul (bias_after), not F.linear's
         self.drop_rows = drop_rows
         self.select_rows = select_rows  # the second pass: row selections stay selections of the tiles' rows
         self.excluded = set(excluded)  # partner heads whose logits no region value combines
@@ -567,8 +568,10 @@ class RegionMatcher:
 
     def bias_after(self, node: torch.fx.Node) -> bool:
         """``x @ W.t() + b`` (or ``logits += b``) with a ``[V]`` bias of the logits' dtype, the
-        projection's only reader: the bias joins the projection, as ``F.linear(x, W, b)`` (the
-        same sum, one rounding less), so a learnable bias is differentiated as a linear's is."""
+        projection's only reader: the bias joins the projection, so a learnable bias is
+        differentiated as a linear's is; the tiles still add it after the matmul, rounding the
+        product first as eager does (``F.linear(x, W, b)``'s one rounding less moves half-precision
+        soft-capped losses off eager's, issue 48)."""
         facts = facts_for(node.target) if node.op in ("call_function", "call_method") else None
         if facts is None or not facts.bias_add:
             return False
@@ -588,7 +591,7 @@ class RegionMatcher:
             return False
         if bias_val.dim() > logits_val.dim() or not all(same(d, 1) for d in bias_val.shape[:-1]):
             return False
-        self.bias = bias
+        self.bias, self.bias_added = bias, True
         self.head_form += " + bias"
         self.values[node] = self.values[self.projection]
         return True
@@ -800,7 +803,8 @@ class RegionMatcher:
                     why = self.outside.get(user)
                     detail = str(why).removeprefix(describe(user)).strip(" ,:") if why else "is not row-wise"
                     raise NoMatch("the logits ({}) are also consumed by {}, which {}; so they must exist "
-                                  "whole", node, user, detail, node=user)  # fmt: skip
+                                  "whole", node, user, detail, node=user,
+                                  eager_raises=getattr(why, "eager_raises", False))  # fmt: skip
             value = val(node)
             outputs.append(
                 RegionOutput(node, index, shape, bool(value.requires_grad) and value.is_floating_point())
@@ -1088,7 +1092,7 @@ def _build_region(matcher: RegionMatcher) -> RowRegion | None:
     program = _region.register(RowProgram(
         steps=steps, outputs=program_outputs, vocab_size=vocab_size, shard=shard,
         token_layouts=tuple(token_layout(t.part) for t in matcher.token_inputs),
-        has_bias=matcher.bias is not None,
+        has_bias=matcher.bias is not None, bias_added=matcher.bias_added,
         index_checks=tuple(matcher.index_checks), reduction=finish, form=" -> ".join(steps_text),
     ))  # fmt: skip
     return RowRegion(

@@ -564,14 +564,18 @@ def _loss(matcher, node: torch.fx.Node) -> list[Classified]:
     if soft and node.target is F.nll_loss:
         raise NoMatch("nll_loss takes class indices, not class probabilities", node=node)
     if not soft and target_val.dtype not in (torch.int64, torch.uint8):
-        raise NoMatch("{} has a {} target; eager expects int64 (or uint8)", node, target_val.dtype)
+        raise NoMatch(
+            "{} has a {} target; eager expects int64 (or uint8)", node, target_val.dtype, eager_raises=True
+        )
     target = matcher.operand(target_node, Shape(Layout.ROWS if soft else Layout.TOKENS, shape.tokens), node)
     weight = options.get("weight")
     kwargs = [("ignore_index", options["ignore_index"]), ("reduction", "none")]
     if node.target is F.cross_entropy:
         kwargs.append(("label_smoothing", float(options["label_smoothing"])))
         if not 0.0 <= options["label_smoothing"] <= 1.0:
-            raise NoMatch("label_smoothing is outside [0, 1]; eager raises for it", node=node)
+            raise NoMatch(
+                "label_smoothing is outside [0, 1]; eager raises for it", node=node, eager_raises=True
+            )
     if weight is not None:
         weight_val = val(weight)
         if weight_val is None or weight_val.dim() != 1 or not same(weight_val.shape[0], matcher.vocab):
@@ -580,7 +584,7 @@ def _loss(matcher, node: torch.fx.Node) -> list[Classified]:
         if not soft and weight_val.dtype != logits_dtype and matcher.step(node, None, ()).autocast is None:
             raise NoMatch("{} has {} class weights for {} logits and class indices; eager raises for it "
                           "(left to raise, before any label check)", node, weight_val.dtype,
-                          logits_dtype)  # fmt: skip
+                          logits_dtype, eager_raises=True)  # fmt: skip
         kwargs.append(("weight", matcher.operand(weight, shape, node)))
     step = matcher.step(node, node.target, (source, target), kwargs)
     if not soft and target.kind is RefKind.TOKEN:
