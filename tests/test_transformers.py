@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -113,10 +114,68 @@ def test_gpt2_logging_graph_break_is_reported_with_the_fix():
     ids, labels = batch("cpu", 0)
     report = tile_pass.explain(model, input_ids=ids, labels=labels, use_cache=False)
     assert not report.rewrites
-    assert any("graph break separates the LM head from the loss" in s.reason for s in report.skipped)
+    (skip,) = [s for s in report.skipped if "graph break separates the LM head from the loss" in s.reason]
     assert report.graph_breaks and "logging" in report.graph_breaks[0]
-    text = str(report)
-    assert 'model.loss_type = "ForCausalLM"' in text
+    # the skip itself names the call (Dynamo's own reason there is "step_unsupported") and the fixes
+    assert "`transformers.modeling_utils` logger's `.warning_once(...)`" in skip.reason, skip.reason
+    assert "tile_pass.compile(model)" in skip.reason
+    assert "torch._dynamo.config.ignore_logging_functions.add(logging.Logger.warning_once)" in skip.reason
+    assert 'model.loss_type = "ForCausalLM"' in str(report)
+
+
+def _gpt2_as_built():  # as transformers builds it: loss_type unset, so its loss property logs
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("entry", ["tile_pass.compile", "compile_for_training"])
+def test_gpt2_as_built_is_tiled_across_its_logging_call(entry, device):
+    """No change to the model: the loss property's warning_once does not split head and loss,
+    the model's loss_type stays unset, and transformers' advisory is still logged, once."""
+    from tile_pass.integrations.transformers import backend_of, compile_for_training
+
+    torch.manual_seed(0)
+    model = _gpt2_as_built().to(device)
+    assert model.loss_type is None
+    oracle = copy.deepcopy(model).double()
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    modeling_logger = transformers.utils.logging.get_logger("transformers.modeling_utils")
+    modeling_logger.addHandler(handler)
+    logging.Logger.warning_once.cache_clear()
+    transformers.logging.set_verbosity_warning()
+    try:
+        if entry == "tile_pass.compile":
+            compiled = tile_pass.compile(model, "aot_eager", tile_tokens=8)
+            backend = compiled.tile_pass_backend
+        else:
+            compiled = compile_for_training(model, "aot_eager", tile_tokens=8)
+            backend = backend_of(model)
+        for step in range(2):
+            ids, labels = batch(device, step)
+            out = compiled(input_ids=ids, labels=labels, use_cache=False)
+            ref = oracle(input_ids=ids, labels=labels, use_cache=False)
+            assert_close_to_oracle(out.loss, ref.loss, torch.float32, f"loss step {step}")
+            assert_close_to_oracle(out.logits, ref.logits, torch.float32, f"logits step {step}")
+            out.loss.backward()
+            ref.loss.backward()
+            for (name, p), (_, q) in zip(model.named_parameters(), oracle.named_parameters(), strict=True):
+                assert_close_to_oracle(p.grad, q.grad, torch.float32, f"step {step} grad {name}")
+            model.zero_grad()
+            oracle.zero_grad()
+    finally:
+        transformers.logging.set_verbosity_error()
+        modeling_logger.removeHandler(handler)
+    report = backend.report()
+    assert len(report.rewrites) == 1 and not report.skipped, str(report)
+    assert "lm_head" in report.rewrites[0].matmul_source
+    assert model.loss_type is None  # the model is left as it is
+    assert sum("`loss_type=None`" in line for line in lines) == 1, lines
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -9,6 +9,7 @@ from tile_pass import (
     _logging,  # noqa: F401  (registers TORCH_LOGS="tile_pass")
     _settings,  # noqa: F401  (reads TILE_PASS_* once; a bad value fails here)
 )
+from tile_pass._compile import compile
 from tile_pass._options import TileOptions
 from tile_pass.decorator import TiledLossNotApplied, tiled_loss
 from tile_pass.dynamo_backend import Backend, backend, default_backend, explain, tile_pass_backend
@@ -29,6 +30,7 @@ __all__ = [
     "ValidationResult",
     "backend",
     "clear_caches",
+    "compile",
     "default_backend",
     "explain",
     "linear_cross_entropy",

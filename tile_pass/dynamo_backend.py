@@ -221,9 +221,23 @@ class Backend:
         )
 
 
+#: Dynamo's graph-break reasons counted when a tile_pass backend was last handed a graph
+_breaks_seen: collections.Counter = collections.Counter(torch._dynamo.utils.counters["graph_break"])
+
+
+def _new_dynamo_breaks() -> list[str]:
+    """Dynamo's graph-break reasons counted since a tile_pass backend was last handed a graph:
+    the break that ended this one, where Dynamo's own reason for it does not say which call."""
+    global _breaks_seen
+    now = collections.Counter(torch._dynamo.utils.counters["graph_break"])
+    new, _breaks_seen = list(now - _breaks_seen), now
+    return new
+
+
 def _graph_break_here() -> str | None:
     """Where and why Dynamo ended the graph it is handing the backend, if a graph break did:
     the next graph starts after it, so a loss there whose logits are an input names this."""
+    new_breaks = _new_dynamo_breaks()
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -238,6 +252,9 @@ def _graph_break_here() -> str | None:
         where = f"{os.path.basename(frame.filename)}:{frame.lineno} (`{(frame.line or '').strip()}`)"
     text = f"Dynamo broke the graph before it at {where}: {reason.reason.strip().splitlines()[0]}"
     hint = graph_break_hint(reason.reason)
+    if not hint and new_breaks:  # a break inside a called function: "step_unsupported", the call's line
+        text += f" ({_summarise_break(new_breaks[-1])})"
+        hint = graph_break_hint(new_breaks[-1])
     return f"{text}; fix: {hint}" if hint else text
 
 

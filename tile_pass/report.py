@@ -314,13 +314,10 @@ def graph_break_hint(reason: str) -> str:
             "torch.where / ignore_index labels) instead, or set "
             "torch._dynamo.config.capture_dynamic_output_shape_ops = True"
         )
-    if "loss_type=" in reason:
-        return (
-            'transformers logs from its loss_function property; set model.loss_type = "ForCausalLM" '
-            "before compiling so the head and the loss are traced in one graph"
-        )
     if "logging.Logger" in reason:
-        return "add that logging method to torch._dynamo.config.ignore_logging_functions"
+        from tile_pass._logging_calls import logging_break_hint
+
+        return logging_break_hint(reason)
     return ""
 
 

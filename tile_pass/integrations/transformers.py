@@ -31,6 +31,7 @@ import torch
 import transformers
 
 import tile_pass
+from tile_pass import _logging_calls
 from tile_pass.dynamo_backend import Backend
 from tile_pass.integrations import _trl_heads
 from tile_pass.integrations._forward import forward_chain, model_of
@@ -39,21 +40,6 @@ from tile_pass.report import Report
 log = logging.getLogger(__name__)
 
 _BACKENDS: weakref.WeakKeyDictionary[torch.nn.Module, Backend] = weakref.WeakKeyDictionary()
-
-
-def _set_loss_type(model: torch.nn.Module) -> None:
-    """``loss_type = "ForCausalLM"`` on causal LMs whose loss_type transformers does not know:
-    it falls back to that loss itself, but logs first, and the log call breaks the graph
-    between the head and the loss (GPT-2's ``GPT2LMHeadModel``, for one)."""
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
-    for module in model.modules():
-        if not isinstance(module, transformers.PreTrainedModel):
-            continue
-        if module.get_output_embeddings() is None:
-            continue
-        if getattr(module, "loss_type", None) not in LOSS_MAPPING:
-            module.loss_type = "ForCausalLM"
 
 
 def compile_for_training(
@@ -73,7 +59,10 @@ def compile_for_training(
 
     Call it before building the ``Trainer`` (or an ``SFTTrainer``, or inside a
     ``LightningModule``); works for any ``nn.Module`` whose ``forward`` computes the loss,
-    PEFT models included. ``report(model)`` shows what the pass did.
+    PEFT models included. ``report(model)`` shows what the pass did. As with
+    :func:`tile_pass.compile`, Dynamo traces past transformers' once-only log calls while the
+    forward runs (the ``loss_type`` advisory of GPT-2-style models would split head and loss);
+    the model is left as it is.
     """
     if isinstance(inner, Backend):
         if backend_options:
@@ -93,8 +82,9 @@ def compile_for_training(
             f"{type(model).__name__}.forward was replaced by {current!r}, which is not a method of the "
             "model; call compile_for_training before handing the model to a trainer"
         )
-    _set_loss_type(model)
-    compiled = torch.compile(func, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+    # transformers' once-only log calls (GPT-2's loss_type advisory) do not split head and loss
+    _logging_calls.announce_loss_fallback(model)
+    compiled = tile_pass.compile(func, backend, dynamic=dynamic, fullgraph=fullgraph)
     compiled._tile_pass_backend = backend
     model.forward = types.MethodType(compiled, model)
     _BACKENDS[model] = backend
