@@ -6,6 +6,7 @@ probability targets in a graph, all exact against float64 eager."""
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -254,3 +255,108 @@ def test_pytorch_opinfo_samples_with_every_gradient(dtype):
                 torch.testing.assert_close(g, w, equal_nan=True, **tol)
         differentiated_targets += bool(args[2].requires_grad)
     assert len(samples) > 100 and differentiated_targets > 20  # the probability targets' gradients ran
+
+
+# ------------------------------------------------- bad arguments: torch's op's errors, or eager's (issue 48)
+
+
+class _NotOptions:
+    """An ``options=`` that is not torch's ``LinearCrossEntropyOptions`` (no ``_adjust``)."""
+
+
+#: arguments torch's op or eager refuses, or takes where a check might wrongly refuse them
+BAD_ARGUMENTS = [
+    dict(reduction="bogus"),
+    dict(reduction=None),
+    dict(label_smoothing=1.1),
+    dict(label_smoothing=-0.1),
+    dict(label_smoothing=float("nan")),
+    dict(label_smoothing=2),
+    dict(options="batch"),
+    dict(options=_NotOptions()),
+    dict(options=_NotOptions(), label_smoothing=0.1),
+    dict(options=_NotOptions(), reduction="bogus"),
+    dict(options=_NotOptions(), label_smoothing=1.1),
+]
+
+
+def _argument_id(kwargs) -> str:
+    return ",".join(
+        f"{k}={type(v).__name__ if isinstance(v, _NotOptions) else v!r}" for k, v in kwargs.items()
+    )
+
+
+def _outcome(call):
+    """``("ok", value)`` or ``(exception type, message)``."""
+    try:
+        return "ok", call()
+    except Exception as error:  # noqa: BLE001 - the outcome compared is the exception itself
+        return type(error), str(error)
+
+
+def _assert_same_outcome(expected, got):
+    if expected[0] == "ok":
+        assert got[0] == "ok", f"torch computes a loss; tile_pass raised {got}"
+        torch.testing.assert_close(got[1], expected[1], equal_nan=True)
+    else:
+        assert got == expected, f"tile_pass raised {got}, torch {expected}"
+
+
+def _bad_argument_inputs(soft):
+    hidden, weight, bias, _, target = inputs("cpu", soft=soft)
+    return hidden, weight, bias, target
+
+
+@pytest.mark.skipif(not HAS_TORCH_LCE, reason="this torch has no F.linear_cross_entropy")
+@pytest.mark.parametrize("soft", [False, True], ids=["indices", "probabilities"])
+@pytest.mark.parametrize("kwargs", BAD_ARGUMENTS, ids=_argument_id)
+def test_bad_arguments_raise_what_torchs_op_raises(kwargs, soft):
+    """Where torch has ``F.linear_cross_entropy``: its exception type and message for a bad
+    reduction, label smoothing or chunking ``options``; where it computes (a negative or NaN
+    label smoothing, options it ignores), the same loss."""
+    hidden, weight, bias, target = _bad_argument_inputs(soft)
+    kwargs = dict(kwargs, linear_bias=bias)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "options ignored"
+        expected = _outcome(lambda: F.linear_cross_entropy(hidden, weight, target, **kwargs))
+        got = _outcome(
+            lambda: tile_pass.linear_cross_entropy(hidden, weight, target, tile_tokens=4, **kwargs)
+        )
+    _assert_same_outcome(expected, got)
+
+
+def test_label_smoothing_outside_the_unit_interval_as_torch():
+    """The cases issue 48 names, pinned: above 1 is cross entropy's ``RuntimeError`` (torch's op
+    passes it on); a negative one is taken, as torch takes it, with the unsmoothed loss and
+    gradients."""
+    hidden, weight, _, target = _bad_argument_inputs(False)
+    with pytest.raises(RuntimeError, match=r"label_smoothing must be between 0.0 and 1.0. Got: 1.1"):
+        tile_pass.linear_cross_entropy(hidden, weight, target, label_smoothing=1.1)
+    leaves = [hidden.requires_grad_(), weight.requires_grad_()]
+    got = tile_pass.linear_cross_entropy(hidden, weight, target, label_smoothing=-0.1, tile_tokens=4)
+    expected = torch_linear_cross_entropy(hidden, weight, target, label_smoothing=-0.1)
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(grads_of(got, leaves), grads_of(expected, leaves), strict=True):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("soft", [False, True], ids=["indices", "probabilities"])
+@pytest.mark.parametrize("kwargs", BAD_ARGUMENTS, ids=_argument_id)
+def test_bad_arguments_raise_what_eager_raises_without_torchs_op(kwargs, soft, monkeypatch):
+    """Where torch has no ``F.linear_cross_entropy`` (hidden from tile_pass here): eager's
+    ``F.cross_entropy(F.linear(...))`` errors; ``options`` configure nothing there and are ignored."""
+    import tile_pass.functional
+
+    monkeypatch.setattr(tile_pass.functional, "_torch_op", lambda: None)
+    hidden, weight, bias, target = _bad_argument_inputs(soft)
+    eager_kwargs = {k: v for k, v in kwargs.items() if k != "options"}
+
+    def eager():
+        return F.cross_entropy(F.linear(hidden, weight, bias), target, **eager_kwargs)
+
+    got = _outcome(
+        lambda: tile_pass.linear_cross_entropy(
+            hidden, weight, target, linear_bias=bias, tile_tokens=4, **kwargs
+        )
+    )
+    _assert_same_outcome(_outcome(eager), got)

@@ -85,13 +85,17 @@ def linear_cross_entropy(
     bias, class weights or probability targets yet).
 
     ``options`` (torch's ``LinearCrossEntropyOptions``, which configures torch's own chunking)
-    is accepted and has no effect: the tiles replace torch's chunks. A ``linear_weight`` of more
+    is accepted and has no effect: the tiles replace torch's chunks.
+
+    Bad arguments raise what torch's ``F.linear_cross_entropy`` raises (its exception type and
+    message) where this torch has the op, else what ``F.cross_entropy(F.linear(...))`` raises: the
+    drop-in must fail where torch's op fails and nowhere else (a negative or NaN
+    ``label_smoothing`` is eager's: no smoothing). A ``linear_weight`` of more
     than two dimensions is torch's K-dimensional loss (logits ``[N, C, d1, ...]``, no vocabulary
     to tile): it is computed as torch computes it, untiled.
 
     Works in eager code and inside ``torch.compile`` (no graph break, no host sync).
     """
-    del options  # torch's chunking options: the tiles are tile_pass's own
     # the functional API's tiles run as eager code runs them: uncompiled unless compile_tiles=True
     tiling = tile_options("tile_pass.linear_cross_entropy", tiling, tile_fields, _SETTINGS).resolved("eager")
     if linear_weight.dim() > 2 and not _is_dtensor(linear_weight):
@@ -115,6 +119,7 @@ def linear_cross_entropy(
                 if weight is None or weight.shape != linear_weight.shape or "weight tensor" not in str(error):
                     raise
                 raise _ClassWeightsError(f"{error}. {_class_weights_hint(weight)}") from error
+        _raise_as_torch_for_options(*checked, options)
     vocab_size, hidden_size = _check_head(hidden, head_shape, bias, weight, reduction, label_smoothing)
     soft_targets, ignore_index = _check_target(target, hidden, vocab_size, ignore_index)
     target_shape = target.shape[:-1] if soft_targets else target.shape
@@ -157,7 +162,7 @@ def linear_cross_entropy(
         upcast=upcast, logit_scale=_constant_float(logit_scale), softcap=_constant_float(softcap),
         target_dtype=target.dtype if soft_targets and target.dtype != loss_dtype else None,
         target_grad=target_grad,
-        ignore_index=operator.index(ignore_index), label_smoothing=_constant_float(label_smoothing),
+        ignore_index=operator.index(ignore_index), label_smoothing=_smoothing(label_smoothing),
         reduction=reduction, tiling=_textbook.constant_tiling(tiling), vocab_shard=vocab_shard,
     )  # fmt: skip
     loss = _textbook.run(options, hidden, linear_weight, bias, target, weight)
@@ -171,10 +176,8 @@ def _check_head(hidden, head_shape, bias, weight, reduction, label_smoothing) ->
         raise _ClassWeightsError(_class_weights_hint(weight))
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{reduction} is not a valid value for reduction")
-    if not label_smoothing <= 1.0:
+    if label_smoothing > 1.0:  # eager's check (a negative or NaN one is no smoothing: _smoothing)
         raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing}")
-    if label_smoothing < 0.0:  # eager takes it (torch checks <= 1 only); the tiles' rule does not
-        raise ValueError(f"tile_pass: a negative label_smoothing ({label_smoothing}) is not tiled")
     if len(head_shape) != 2:
         raise ValueError(f"tile_pass: linear_weight must be 2-D [V, H], got shape {tuple(head_shape)}")
     vocab_size, hidden_size = head_shape
@@ -216,10 +219,35 @@ def _check_target(target, hidden, vocab_size: int, ignore_index) -> tuple[bool, 
 _SETTINGS = tuple(inspect.signature(linear_cross_entropy).parameters)[:-2]
 
 
+def _torch_op():
+    """torch's own ``F.linear_cross_entropy`` (torch 2.13 and later), or ``None``: the drop-in
+    raises its errors where it exists, eager's ``F.cross_entropy(F.linear(...))``'s where not."""
+    return getattr(F, "linear_cross_entropy", None)
+
+
+def _raise_as_torch_for_options(
+    hidden, linear_weight, bias, target, weight, reduction, ignore_index, label_smoothing, options
+) -> None:
+    """torch's error for ``options=`` that are not its ``LinearCrossEntropyOptions`` (its chunked
+    path calls their ``_adjust``), raised by torch's op itself on one stand-in token; valid options,
+    or a torch without the op, raise nothing (the tiles replace torch's chunks)."""
+    op, options_type = _torch_op(), getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if options is None or op is None or (options_type is not None and isinstance(options, options_type)):
+        return
+    vocab, features = linear_weight.shape[0], hidden.shape[-1]
+    soft = _soft(target, hidden, vocab)
+    stand_in = torch.zeros((1, vocab) if soft else (1,), dtype=target.dtype, device=target.device)
+    with torch.no_grad():  # (where torch's op warns that it ignores them, this warns as it does)
+        op(
+            hidden.new_zeros((1, features)), linear_weight, stand_in, linear_bias=bias, weight=weight,
+            reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, options=options,
+        )  # fmt: skip
+
+
 def _k_dimensional(input, linear_weight, target, bias, weight, reduction, ignore_index, label_smoothing):
     """torch's K-dimensional linear cross entropy, as torch defines it (not an LM head: untiled)."""
-    if hasattr(F, "linear_cross_entropy"):
-        return F.linear_cross_entropy(
+    if _torch_op() is not None:
+        return _torch_op()(
             input, linear_weight, target, linear_bias=bias, weight=weight, reduction=reduction,
             ignore_index=ignore_index, label_smoothing=label_smoothing,
         )  # fmt: skip
@@ -335,6 +363,13 @@ def _check_byte_labels(target: torch.Tensor, vocab_size: int, ignore_index: int,
     if len(bad):
         first = target[bad[0, 0] : bad[0, 0] + 1]
         F.cross_entropy(torch.zeros(1, vocab_size), first, ignore_index=ignore_index, reduction=reduction)
+
+
+def _smoothing(label_smoothing) -> float:
+    """The label smoothing the tiles apply: eager's ``cross_entropy`` smooths only where it is
+    above 0, so a negative or NaN one (which torch's op takes, unchecked) is none."""
+    value = _constant_float(label_smoothing)
+    return value if value > 0.0 else 0.0
 
 
 def _is_int(value) -> bool:
