@@ -148,13 +148,17 @@ def markdown(results: list[dict], seconds: float) -> str:
         "cut to the layers kept; dropout 0), with random weights from seed 0 (nothing downloaded). One "
         "training step (`model.train()`, `input_ids` `[2, 16]`, `labels` the ids with 7 of 32 set to "
         "-100) runs eagerly and, from the same initial weights (a deep copy), compiled with "
-        '`torch.compile(model, backend=tile_pass.backend("aot_eager", strict=True))` '
+        '`tile_pass.compile(model, tile_pass.backend("aot_eager", strict=True))` '
         "(`TILE_PASS_STRICT=1`: internal errors of the pass raise).",
         "",
-        "A class whose `loss_type` is unset (the GPT-2-style `*LMHeadModel` classes) gets "
-        '`model.loss_type = "ForCausalLM"`: without it transformers\' `loss_function` property logs a '
-        "warning, a graph break between the head and the loss (tile_pass's report names this fix), and "
-        "then uses that same loss. "
+        "Each model is used as transformers builds it. A class whose `loss_type` is unset (the "
+        "GPT-2-style `*LMHeadModel` classes: GPT-2, GPT-SW3, OpenAI-GPT, CTRL, BERT, BERT-generation) "
+        "logs a once-only advisory from its `loss_function` property, between the head and the loss; "
+        "Dynamo ends the graph at any logger call, and `tile_pass.compile` has it trace past "
+        "transformers' once-only ones (`warning_once`, `info_once`: "
+        "`torch._dynamo.config.ignore_logging_functions`, set only while the compiled model runs), "
+        'so head and loss stay in one graph (`torch.compile(model, backend="tile_pass")` alone '
+        "cannot set it; its report names the setting). "
         f"{len(special)} families get more than the shrink, because their default config does not build "
         "or run as it stands or fixes the input shape (each is explained in `tests/zoo.py`'s `OVERRIDES` / "
         f"`POST_BUILD`): {', '.join(special)}.",

@@ -4,8 +4,9 @@
 ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` names) from its config class's defaults shrunk to a
 tiny model (0.1-4M parameters), with random weights from a fixed seed (nothing is
 downloaded), runs one training step eagerly and one compiled with
-``tile_pass.backend("aot_eager", strict=True)`` from the same initial weights, and classifies
-the family:
+``tile_pass.compile(model, "aot_eager", strict=True)`` from the same initial weights (the model as
+transformers builds it: GPT-2-style classes keep their unset ``loss_type``, whose loss property
+logs a once-only advisory that the entry point traces past), and classifies the family:
 
 * ``rewritten``: the report has rewrites, and the loss, the returned logits and every
   parameter gradient match the eager step;
@@ -388,11 +389,6 @@ def build(model_type: str, class_name: str):
     del meta
     torch.manual_seed(0)
     model = cls._from_config(config)
-    if getattr(model, "loss_type", None) is None and hasattr(type(model), "loss_function"):
-        # the fix tile_pass's report names for GPT-2-style classes: without it, transformers'
-        # loss_function property logs (a graph break between the head and the loss) and then
-        # uses exactly this loss
-        model.loss_type = "ForCausalLM"
     if model_type in POST_BUILD:
         POST_BUILD[model_type](model)
     model.train()
@@ -600,6 +596,8 @@ class Result:
     #: where that error is above the tolerance: that gradient in a float64 eager step, and the
     #: float32 eager step's and tile_pass's errors against it
     float64_check: str = ""
+    #: Dynamo's graph breaks in the step compiled with tile_pass (each reason's first line)
+    graph_breaks: list[str] = field(default_factory=list)
 
     def to_dict(self):
         return asdict(self)
@@ -660,12 +658,13 @@ def _frames(exc: BaseException) -> str:
     return "\n".join(lines)
 
 
-def _backend():
+def _backend(recorder: _Recorder):
     """``tile_pass.backend("aot_eager")`` with internal errors raised (``strict``, where it exists;
-    ``TILE_PASS_STRICT=1`` is set above for versions that read only the variable)."""
+    ``TILE_PASS_STRICT=1`` is set above for versions that read only the variable), its graphs
+    noted by ``recorder`` (which runs aot_eager: so the tiles stay uncompiled, as under aot_eager)."""
     if hasattr(tile_pass, "TileOptions") or "strict" in inspect.signature(tile_pass.backend).parameters:
-        return tile_pass.backend("aot_eager", strict=True)
-    return tile_pass.backend("aot_eager")
+        return tile_pass.backend(recorder, strict=True, compile_tiles=False)
+    return tile_pass.backend(recorder, compile_tiles=False)
 
 
 def run_family(model_type: str, class_name: str | None = None, time_limit: float | None = None) -> Result:
@@ -710,19 +709,20 @@ def _classify(result: Result):
 
     # the step compiled with tile_pass
     torch._dynamo.reset()
-    backend = _backend()
-    recorder = _Recorder(backend, vocab)
+    recorder = _Recorder(torch._dynamo.lookup_backend("aot_eager"), vocab)
+    backend = _backend(recorder)
     compiled_model = copy.deepcopy(pristine)
     breaks_before = torch._dynamo.utils.counters["graph_break"].copy()
     try:
         with _time_limit_stage(result, "the step compiled with tile_pass"):
-            ours = step(compiled_model, torch.compile(compiled_model, backend=recorder), ids, labels)
+            ours = step(compiled_model, tile_pass.compile(compiled_model, backend), ids, labels)
     except Exception as exc:  # noqa: BLE001
         crash = exc
         ours = None
     else:
         crash = None
     breaks = [_summarise_break(r) for r in torch._dynamo.utils.counters["graph_break"] - breaks_before]
+    result.graph_breaks = breaks
     report = backend.report()
     result.rewrites = len(report.rewrites)
 
