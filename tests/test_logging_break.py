@@ -139,3 +139,18 @@ def test_hint_for_each_kind_of_logging_break():
     hint = _logging_calls.logging_break_hint(plain)
     assert "add logging.Logger.info to torch._dynamo.config.ignore_logging_functions" in hint
     assert "tile_pass.compile" not in hint and "loss_type" not in hint
+
+
+def test_the_setting_is_restored_when_the_compiled_call_raises():
+    def raises_after_the_log_call(hidden, weight, labels):
+        logits = hidden @ weight.t()
+        once_logger.warning_once("before an error")
+        if labels.shape[0] != logits.shape[0]:
+            raise ValueError("labels and logits disagree")
+        return F.cross_entropy(logits, labels)
+
+    hidden, weight, labels = inputs("cpu")
+    compiled = tile_pass.compile(raises_after_the_log_call, "aot_eager")
+    with pytest.raises(ValueError, match="disagree"):
+        compiled(hidden, weight, labels[:-1])
+    assert logging.Logger.warning_once not in torch._dynamo.config.ignore_logging_functions
