@@ -268,8 +268,8 @@ def dpo_with_rewards(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
 
 
 def dpo_margin_in_place(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
-    """The reference log-ratios added to the margin in place: the op leaves in-place writes of
-    the loss to two passes rather than follow them through the groups analysis."""
+    """The reference log-ratios added to the margin in place: replayed out of place before
+    matching (``match/_functionalize.py``), so the pairs are coupled as in ``dpo``."""
     logits, half, _ = _concatenated(x, w, b, y)
     logps = _batch_logps(logits, y)
     margin = logps[:half] - logps[half:]

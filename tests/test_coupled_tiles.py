@@ -32,7 +32,7 @@ FORMS = [
     ("batch_softmax_weighted", False),
     ("worst_pair", False),
     ("chosen_gate", True),
-    ("dpo_margin_in_place", False),
+    ("dpo_margin_in_place", True),  # the write is replayed out of place before matching
 ]
 #: forms that average over a sequence's labelled tokens: an empty sequence makes them NaN
 AVERAGED = {"ipo_loss_only", "orpo_loss_only", "simpo_chunk_pairs"}

@@ -31,8 +31,9 @@ class RuleKind(enum.Enum):
 
     * ``ELEMENTWISE``: unary and binary maths, comparisons, ``where``, casts (no device move);
       tensor operands are per-token (sliced per tile) or shared by every row (0-d, ``[V]``);
-    * ``INPLACE``: ``x += b``, ``x.mul_(s)``, ...: replayed out of place when nothing else reads
-      ``x`` (the kind of an in-place spelling of an op whose facts say ``inplace=True``);
+    * ``INPLACE``: ``x += b``, ``x.mul_(s)``, ... that :mod:`._functionalize` kept in place (it replays
+      the others out of place before matching): the region stops there, with the pre-pass's reason
+      (the kind of an in-place spelling of an op whose facts say ``inplace=True``);
     * ``VIEW``: ``view``/``reshape``/``flatten``/``contiguous``/``squeeze(-1)``/``unsqueeze(-1)``
       that only regroup the token dimensions;
     * ``VOCAB_REDUCTION``: ``sum``/``mean``/``logsumexp``/``amax``/``amin``/``argmax``/``argmin``/

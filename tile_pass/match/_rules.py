@@ -27,6 +27,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+from tile_pass.match._functionalize import KEPT_IN_PLACE
 from tile_pass.match._fx import NoMatch, same, same_shape, val
 from tile_pass.match._op_facts import (
     AS_KEY,
@@ -269,8 +270,10 @@ _ELEMENTWISE_FACTS = {"sharded": None, "head_sign": False, "selects": None, "fol
 _ELEMENTWISE_OPS = (
     (("log", "sigmoid", "rsqrt", "log1p", "expm1", "clamp_min", "clamp_max", "exp2", "nan_to_num",
       "logical_not", "isnan", "isfinite", "isinf", "reciprocal", "softplus", "logsigmoid", "eq", "ne", "lt",
-      "le", "gt", "ge", "maximum", "minimum", "logical_and", "logical_or", "xlogy", "lerp", "rdiv", "and_",
-      "or_"), None, Linear.NONE, False, False, False, False),
+      "le", "gt", "ge", "maximum", "minimum", "logical_and", "logical_or", "logical_xor", "invert",
+      "bitwise_not", "bitwise_and", "bitwise_or", "bitwise_xor", "xlogy", "lerp", "rdiv", "and_", "or_",
+      "xor"),
+     None, Linear.NONE, False, False, False, False),
     (("exp", "clamp", "clip"), None, Linear.NONE, True, False, False, False),
     (("abs", "sqrt", "square", "relu", "sign"), _keeps_zeros, Linear.NONE, False, False, False, False),
     (("tanh",), _keeps_zeros, Linear.NONE, True, False, False, False),
@@ -325,48 +328,13 @@ for _keys, _zeros, _linear, _inplace, _aliases, _cast, _bias_add in _ELEMENTWISE
 
 
 def _inplace(matcher, node: torch.fx.Node) -> list[Classified]:
-    """An in-place spelling of an op whose facts say ``inplace=True``, replayed out of place."""
-    mutated = node.args[0]
-    if not isinstance(mutated, torch.fx.Node) or matcher.shape_of(mutated) is None:
-        raise NoMatch("{} writes into a tensor from outside the region", node)
-    late = _read_after(node, mutated)
-    if late is not None:
-        raise NoMatch("{} changes the logits in place while {}, after it, reads them through another name",
-                      node, late)  # fmt: skip
-    return _elementwise(matcher, node, spelling(node.target).out_of_place)
+    """An in-place write the graph still holds: :mod:`._functionalize` replays every write it can
+    prove exact out of place before matching, and says on the node why it kept this one."""
+    why, nodes = node.meta.get(KEPT_IN_PLACE, ("{} writes in place where the pass did not look", (node,)))
+    raise NoMatch(why, *nodes)
 
 
 _INPLACE = Rule(RuleKind.INPLACE, _inplace)
-
-
-def _aliases(node: torch.fx.Node) -> bool:
-    """Whether ``node``'s result may share memory with its first operand (its op's facts)."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    spelled = spelling(node.target)
-    facts = None if spelled is None or spelled.inplace else FACTS.get(spelled.key)
-    return facts is not None and facts.aliases
-
-
-def _read_after(node: torch.fx.Node, mutated: torch.fx.Node) -> torch.fx.Node | None:
-    """The first node that reads the memory ``node`` writes in place, other than through ``node``'s
-    own result, and comes after it; ``None`` if every other reader runs before it. Then eager's
-    readers before the write see the old value, those after it read ``node``'s result, and
-    replaying the write out of place is exact (what functionalization does)."""
-    root = mutated
-    while _aliases(root) and root.args:
-        if not isinstance(root.args[0], torch.fx.Node):
-            break
-        root = root.args[0]
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    aliases, stack = {root}, [root]
-    while stack:  # every name for the same memory: the root and its views, however taken
-        for user in stack.pop().users:
-            if user not in aliases and user is not node and _aliases(user):
-                aliases.add(user)
-                stack.append(user)
-    late = [u for a in aliases for u in (a, *a.users) if u is not node and order[u] > order[node]]
-    return min(late, key=order.__getitem__) if late else None
 
 
 #: ops that select or regroup a tensor's memory without a row-wise rule: other passes see through them
