@@ -114,7 +114,8 @@ def read_then_write(h, w, y):  # the old value is read before the write; max kee
 
 
 WRITES = [_div_, _mul_, _add_, _sub_, _clamp_, _masked_fill_, _neg_, _itruediv, _imul]
-TILED = [verl_padded, verl_remove_padding, float_copy, chain, read_then_write, *[_one_write(w) for w in WRITES]]
+TILED = [verl_padded, verl_remove_padding, float_copy, chain, read_then_write]
+TILED += [_one_write(w) for w in WRITES]
 
 
 def _data(device):
