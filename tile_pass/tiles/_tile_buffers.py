@@ -13,7 +13,10 @@ before.
 Reuse is safe because a tile's logits, and the gradient stored over them, are dead when its
 graph returns, but for what it returns, and the loops copy every returned tile (kept logits,
 returned rows) into their outputs before the next tile runs. A shorter last tile takes a
-prefix of the same buffer, so the buffer is never held twice.
+prefix of the same buffer, so the buffer is never held twice. A loop that runs only some tokens
+gathers each tile's rows of every per-token input into one buffer per input the same way
+(:func:`gathered`). The float32 logits GEMM routed to oneDNN still returns a fresh tile: its op
+writes into no given buffer.
 
 Every large CPU buffer tile_pass makes (this one, the weight-gradient sums, the gradients it
 returns) comes from :func:`empty`, which asks Linux for transparent huge pages on it where the
@@ -104,7 +107,12 @@ def _take(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     buffers = getattr(_local, "buffers", None)
     if buffers is None:
         return empty(shape, dtype, device)
-    numel, key = math.prod(shape), (dtype, device)
+    return _reused(buffers, (dtype, device), shape, dtype, device)
+
+
+def _reused(buffers: dict, key, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    """The scope's buffer under ``key``, grown where ``shape`` needs more, as ``shape``."""
+    numel = math.prod(shape)
     buffer = buffers.get(key)
     if buffer is None or buffer.numel() < numel:
         buffers.pop(key, None)
@@ -121,6 +129,22 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``bias + a @ b`` (``aten.addmm``), written into the scope's buffer."""
     return torch.addmm(bias, a, b, out=_take((a.shape[0], b.shape[1]), a.dtype, a.device))
+
+
+def gathered(t: torch.Tensor, index: torch.Tensor, slot: int) -> torch.Tensor:
+    """``t.index_select(0, index)`` into the scope's buffer of per-token input ``slot``, on the CPU.
+
+    A tile that runs only some tokens gathers its rows of every per-token input; a distillation's
+    teacher log-probabilities make that a ``[tile, V]`` copy per tile. Under a small mmap threshold
+    (``MALLOC_MMAP_THRESHOLD_=65536``, which some users set to keep the resident size down)
+    each such copy would be a fresh mapping: 8000 page faults a tile of 256 x 32000 float32.
+    The traced tile only reads its inputs, and the loop is done with a tile's rows when the next
+    tile gathers its own, so one buffer per input serves every tile."""
+    buffers = getattr(_local, "buffers", None)
+    if t.device.type != "cpu" or buffers is None or is_fake(t):
+        return t.index_select(0, index)
+    out = _reused(buffers, ("gather", slot, t.dtype), (index.shape[0], *t.shape[1:]), t.dtype, t.device)
+    return torch.index_select(t, 0, index, out=out)
 
 
 def fresh_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -385,7 +385,7 @@ def _tile_rows(hidden, token_inputs, tangents, start: int, count: int, size: int
     return (
         picked,
         hidden.index_select(0, gather),
-        tuple(t.index_select(0, gather) for t in token_inputs),
+        tuple(_tile_buffers.gathered(t, gather, slot) for slot, t in enumerate(token_inputs)),
         tuple(_tile_of(t.index_select(0, picked), 0, count, size, zeros=True) for t in tangents),
     )
 
