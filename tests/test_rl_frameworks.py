@@ -5,9 +5,10 @@ every registered policy loss, ``agg_loss`` mode and ``kl_penalty`` type; OpenRLH
 DPO trainer; torchtune's PPO, DPO and GRPO recipes; NeMo-RL's clipped policy gradient) is
 compiled unchanged with ``tile_pass.backend("aot_eager")`` at the default tile and a small
 one, and compared with float64 eager. ``EXPECTED`` says what the report must say for each:
-``"tiled"`` (every head rewritten, nothing skipped) or ``"skipped"`` (a head or all left whole,
-every head listed, the skipped ones with their reason and line); ``"unaccounted"`` marks a step whose head the report does not mention
-yet, a known gap the accounting test asserts against (``xfail(strict=True)``, so fixing the
+``"tiled"`` (every head rewritten, nothing skipped) or ``"skipped"`` (a head or all left
+whole, every head listed, the skipped ones with their reason and line); ``"unaccounted"``
+marks a step whose head the report does not mention yet, a known gap the accounting test
+asserts against (``xfail(strict=True)``, so fixing the
 pass fails the run until the entry is flipped).
 
 Frameworks that are not installed skip (``pip install -e '.[rl]'``, with ``--no-deps``: see
@@ -71,8 +72,9 @@ INNER_BACKEND_WRONG = {"openrlhf/ppo-k3-entropy", "openrlhf/ppo-dual-clip-k1", "
 
 #: the default run: one step per composition (the rest under ``-m slow``)
 FAST = {
-    "verl/padded-vanilla", "verl/rmpad", "verl/rmpad-chunked-entropy", "openrlhf/ppo-k3-entropy", "openrlhf/dpo",
-    "torchtune/ppo", "torchtune/dpo-reference-forward", "torchtune/grpo", "nemo-rl/clipped-pg",
+    "verl/padded-vanilla", "verl/rmpad", "verl/rmpad-chunked-entropy", "openrlhf/ppo-k3-entropy",
+    "openrlhf/dpo", "torchtune/ppo", "torchtune/dpo-reference-forward", "torchtune/grpo",
+    "nemo-rl/clipped-pg",
 }  # fmt: skip
 
 
