@@ -27,8 +27,8 @@ from tile_pass._options import TileOptions
 from tile_pass.match import _region_match, _rules
 from tile_pass.match._fold_loops import fold_row_loops
 from tile_pass.match._functionalize import functionalize_writes
-from tile_pass.match._fx import NoMatch, as_linear, describe, val
-from tile_pass.match._op_facts import RuleKind, facts_for
+from tile_pass.match._fx import NoMatch, as_linear, describe, same, val
+from tile_pass.match._op_facts import RuleKind, facts_for, spelling
 from tile_pass.match._rules import LOSS_SIGNATURES, bind
 from tile_pass.plan import _weight_grad
 from tile_pass.plan._plan import RegionCall, plan_tiles
@@ -143,6 +143,7 @@ def _rewrite_regions(gm, graph_index: int, options: TileOptions, region: list) -
     report.skipped[:0] = [
         Skip(graph_index, source_line(loss), _why_untiled(loss)) for loss in losses if loss.graph is not None
     ]
+    report.skipped += _unaccounted_heads(gm.graph, graph_index, report)
     if report.rewrites:
         gm.graph.lint()
         gm.recompile()
@@ -155,6 +156,11 @@ GRAPH_BREAK = (
     'TORCH_LOGS="graph_breaks" and remove it (e.g. a print or logging call between '
     "the head and the loss), or compute the loss in the function that calls the head"
 )
+
+
+#: a head's skip says this when its ``[N, V]`` output leaves the graph whole (the backend then
+#: names the graph break that ended the graph, if one did)
+LEFT_WHOLE = "leaves graph"
 
 
 def _why_untiled(loss: torch.fx.Node) -> str:
@@ -186,6 +192,81 @@ def _why_untiled(loss: torch.fx.Node) -> str:
     if stopped is not None:
         return str(stopped)
     return f"the LM head at {source_line(node)} reaches the loss, but no row-wise region of it was found"
+
+
+def _unaccounted_heads(graph: torch.fx.Graph, graph_index: int, report: GraphReport) -> list[Skip]:
+    """Every head the pass sees is rewritten or named: the log-probs, log-sum-exp, gather or KL
+    of logits handed in as a graph input (a graph break before them: the same reason a cross
+    entropy there gets), and a projection whose ``[N, V]`` output the graph returns whole with
+    nothing here reading it as logits (the other half of such a break, or a forward that only
+    returns logits): nothing of either is tiled, and the report says so."""
+    skips: list[Skip] = []
+    seen: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        facts = facts_for(node.target) if node.op in ("call_function", "call_method") else None
+        if facts is None or not facts.head_sign or spelling(node.target).inplace or not node.args:
+            continue
+        root = _row_wise_root(node.args[0])
+        if root is not None and root.op == "placeholder" and root not in seen:
+            seen.add(root)
+            skips.append(Skip(graph_index, source_line(node), GRAPH_BREAK))
+    lines = {s.loss_source for s in report.skipped} | {r.matmul_source for r in report.rewrites}
+    for node in graph.nodes:
+        whole = _returned_whole(node)
+        if whole is not None and source_line(node) not in lines:
+            shape = " x ".join(str(size) for size in whole.shape)
+            skips.append(Skip(graph_index, source_line(node), (
+                f"the [{shape}] output of the projection at {source_line(node)} {LEFT_WHOLE} "
+                f"{graph_index} whole (the graph returns it) and nothing in this graph reads it as logits, "
+                "so nothing is tiled and the whole tensor is kept. If it is an LM head whose loss is in "
+                "another graph (a graph break after the head), that graph's skip names the break; if the "
+                "caller computes the loss from the returned logits, compute it in the compiled function "
+                "instead (return the loss, or pass labels to the model)"
+            )))  # fmt: skip
+    return skips
+
+
+def _row_wise_root(node) -> torch.fx.Node | None:
+    """Where the first-operand chain of row-wise ops ending at ``node`` starts."""
+    while isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method"):
+        if _rules.rule_for(node) is None or not node.args:
+            return None
+        node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) else None
+
+
+def _returned_whole(node: torch.fx.Node) -> torch.Tensor | None:
+    """The output of ``node``, a projection to more features than it reads (a vocabulary), if the
+    graph returns it (or a view or cast of it with the same rows) whole; else ``None``."""
+    try:
+        linear = as_linear(node) if node.op in ("call_function", "call_method") else None
+    except NoMatch:
+        return None
+    out, weight = val(node), val(linear[1]) if linear is not None else None
+    if out is None or weight is None or weight.dim() != 2:
+        return None
+    if not _plain_larger(weight.shape[0], weight.shape[1]):
+        return None
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        for user in current.users:
+            if user.op == "output":
+                return out
+            value = val(user)
+            if user in seen or value is None or value.dim() == 0 or not same(value.shape[-1], out.shape[-1]):
+                continue
+            seen.add(user)
+            if _rules.rule_for(user) is not None and not facts_for(user.target).head_sign:
+                stack.append(user)
+    return None
+
+
+def _plain_larger(a, b) -> bool:
+    try:
+        return int(optimization_hint(a, fallback=0)) > int(optimization_hint(b, fallback=0))
+    except (TypeError, ValueError):
+        return False
 
 
 def _rewrite_row_regions(
@@ -324,7 +405,7 @@ def _reduction_text(region, covered: set, backward: bool = True) -> str:
             for step in region.program.reduction.steps  # the user's ops
             if not getattr(step.target, "__module__", "").startswith("tile_pass")
         )
-        return f"{eager or steps}: {scalar}"
+        return f"{eager or steps or 'its own steps'}: {scalar}"
     if not backward:
         return eager or "per-token outputs (no gradient: no output needs one, so no backward runs)"
     return eager or "per-token outputs (gradient re-derived in backward)"
