@@ -294,14 +294,16 @@ class SplitMeasurement(NamedTuple):
     peak_pinned: bool  # whether PEAK_ALLOCATOR could be set (glibc)
 
 
-def measure_split(step, device: torch.device, repeats: int) -> SplitMeasurement:
+def measure_split(step, device: torch.device, repeats: int, clear=None) -> SplitMeasurement:
     """Time ``repeats`` steps under the allocator this process was started with (a user's
     process: glibc's defaults unless its environment says otherwise), counting each step's
     minor page faults; then one step's peak under those settings; then switch glibc to
     :data:`PEAK_ALLOCATOR` (:func:`pin_allocator_for_peak`) and measure the readable peak.
 
     Timing first, peak last: a peak setting maps and unmaps every block above 64 KiB, so a step
-    timed under it pays page faults per allocation that a training process does not.
+    timed under it pays page faults per allocation that a training process does not. ``clear``
+    drops what the previous step left (its gradients) before each peak's baseline is read: the
+    gradients a step returns belong to its peak, as in a process's first step.
     """
     times, faults = [], []
     loss = None
@@ -309,9 +311,13 @@ def measure_split(step, device: torch.device, repeats: int) -> SplitMeasurement:
         loss, seconds, count = timed_faults(step, device)
         times.append(seconds)
         faults.append(count)
+    if clear is not None:
+        clear()
     base = reset_peak_memory(device)
     step()
     peak_above_steady = peak_memory(device) - base
+    if clear is not None:
+        clear()
     pinned = device.type == "cpu" and pin_allocator_for_peak()
     base = reset_peak_memory(device)
     _, peak_step_s, peak_faults = timed_faults(step, device)
