@@ -107,3 +107,75 @@ def test_soft_capped_loss_no_less_precise_than_eager(device, shape, dtype, has_b
         f"per-token error exceeds eager's own by {worst:.5f} (tolerance {TOLERANCE[dtype]}); "
         f"tile_pass's worst {(truth - got).abs().max().item():.5f}, eager's {eager_error.max().item():.5f}"
     )
+
+
+# ------------------------------------------ float16 class-weighted mean: the gradient (issue 48)
+
+#: PyTorch's OpInfo samples of linear_cross_entropy with class weights and reduction="mean":
+#: (tokens, hidden, classes)
+OPINFO_SHAPES = [(8, 3, 4), (8, 8, 8)]
+SEEDS = range(40)
+#: one float16 ulp at the gradient's largest magnitude, relative to it
+FP16_ULP = 2.0**-10
+
+
+def _opinfo_like(seed: int, shape, device):
+    """A sample drawn as the OpInfo draws it (``make_tensor``'s [-9, 9], class weights in [0.5, 2))."""
+    from torch.testing import make_tensor
+
+    tokens, hidden_size, classes = shape
+    torch.manual_seed(seed)
+    hidden = make_tensor((tokens, hidden_size), device=device, dtype=torch.float16)
+    weight = make_tensor((classes, hidden_size), device=device, dtype=torch.float16)
+    target = torch.randint(0, classes, (tokens,), device=device)
+    class_weights = make_tensor((classes,), device=device, dtype=torch.float16, low=0.5, high=2)
+    return hidden, weight, target, class_weights
+
+
+def _eager(hidden, weight, target, class_weights):
+    return F.cross_entropy(F.linear(hidden, weight), target, weight=class_weights)
+
+
+def _op(hidden, weight, target, class_weights):
+    """torch's op's float16 semantics: the loss in the logits' dtype (``upcast=False``)."""
+    return tile_pass.linear_cross_entropy(hidden, weight, target, weight=class_weights, upcast=False)
+
+
+def _gradients(fn, sample, dtype):
+    hidden, weight = (t.detach().to(dtype).requires_grad_() for t in sample[:2])
+    loss = fn(hidden, weight, sample[2], sample[3].to(dtype))
+    return [g.double() for g in torch.autograd.grad(loss, (hidden, weight))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", OPINFO_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("path", ["op", "backend"])
+def test_float16_class_weighted_mean_gradient_no_less_precise_than_eager(device, shape, path):
+    """Each sample's gradient error against float64 is at most eager float16's own plus one
+    float16 ulp at the gradient's largest magnitude (tile_pass's class-weight total is the
+    correctly rounded sum, eager's ``nll_loss`` accumulates it in float16: they round apart by
+    an ulp on some samples, either way), and over the samples tile_pass's RMS error is no larger
+    than eager's."""
+    if path == "op":
+        tiled = _op
+    else:
+        backend = tile_pass.backend("aot_eager", tile_tokens=4)
+        tiled = torch.compile(_eager, backend=backend, dynamic=False)
+    squared = {"tile_pass": [0.0, 0.0], "eager": [0.0, 0.0]}
+    for seed in SEEDS:
+        sample = _opinfo_like(seed, shape, device)
+        truth = _gradients(_eager, sample, torch.float64)
+        tile, eager = _gradients(tiled, sample, torch.float16), _gradients(_eager, sample, torch.float16)
+        for k, name in enumerate(("input", "linear_weight")):
+            scale = truth[k].abs().max().item()
+            tile_error, eager_error = (tile[k] - truth[k]).abs(), (eager[k] - truth[k]).abs()
+            squared["tile_pass"][k] += (tile_error / scale).pow(2).mean().item()
+            squared["eager"][k] += (eager_error / scale).pow(2).mean().item()
+            assert tile_error.max() <= eager_error.max() + FP16_ULP * scale, (
+                f"seed {seed}, {name} gradient: error {tile_error.max():.3g}, eager's own "
+                f"{eager_error.max():.3g}, tolerance one float16 ulp of {scale:.3g}"
+            )
+    if path == "backend":
+        assert backend.report().rewrites, "the class-weighted loss was not rewritten"
+    for k in (0, 1):
+        assert squared["tile_pass"][k] <= squared["eager"][k], (k, squared)
