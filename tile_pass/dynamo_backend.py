@@ -17,7 +17,7 @@ from tile_pass._options import TileOptions, tile_options
 from tile_pass.inspection import _dump
 from tile_pass.inspection._oracle import validating_call
 from tile_pass.report import GraphReport, Report, graph_break_hint
-from tile_pass.rewrite import GRAPH_BREAK, internal_error, is_region_node, rewrite_graph
+from tile_pass.rewrite import GRAPH_BREAK, LEFT_WHOLE, internal_error, is_region_node, rewrite_graph
 from tile_pass.splice._returned_logits import rebuild_outputs
 from tile_pass.tiles._higher_order import guard_outputs, outputs_guarded, region_outputs
 
@@ -100,6 +100,7 @@ class Backend:
         self._graphs_seen = 0
         self._warned_eager_raises: set[str] = set()  # warn once per skipped region and reason
         self._last_break: str | None = None  # where Dynamo broke the graph it handed us last, and why
+        self._breaks_then: list[str] = []  # Dynamo's graph-break reasons counted up to that graph
         self.reports: collections.deque[GraphReport] = collections.deque(maxlen=max(1, keep_reports))
 
     def __call__(
@@ -127,10 +128,16 @@ class Backend:
         original = copy.deepcopy(gm) if self.validate else None
         result = rewrite_graph(gm, self.tiling, graph_index=self._graphs_seen)
         report = result.report
+        breaks = _new_dynamo_breaks()
+        here = _graph_break_here()
         for skip in report.skipped:  # the logits came from the graph before the break: name the break
             if skip.reason == GRAPH_BREAK and self._last_break is not None:
-                skip.reason = f"{GRAPH_BREAK}. {self._last_break}"
-        self._last_break = _graph_break_here()
+                skip.reason = f"{GRAPH_BREAK}. {_named_break(self._last_break, self._breaks_then + breaks)}"
+            elif LEFT_WHOLE in skip.reason and here is not None:  # the break that ends this graph
+                after = _named_break(here, breaks).replace("broke the graph before it", "ended this graph")
+                skip.reason = f"{skip.reason}. {after}"
+        self._last_break = here
+        self._breaks_then = breaks
         self._graphs_seen += 1
         self.reports.append(report)
         for decision in [*report.rewrites, *report.skipped]:
@@ -226,10 +233,12 @@ _breaks_seen: collections.Counter = collections.Counter(torch._dynamo.utils.coun
 
 
 def _new_dynamo_breaks() -> list[str]:
-    """Dynamo's graph-break reasons counted since a tile_pass backend was last handed a graph:
-    the break that ended this one, where Dynamo's own reason for it does not say which call."""
+    """Dynamo's graph-break reasons counted since a tile_pass backend was last handed a graph
+    (Dynamo counts the break that ends a graph before or after it hands that graph over)."""
     global _breaks_seen
     now = collections.Counter(torch._dynamo.utils.counters["graph_break"])
+    if now.total() < _breaks_seen.total():  # the counters were cleared since (torch._dynamo.reset())
+        _breaks_seen = collections.Counter()
     new, _breaks_seen = list(now - _breaks_seen), now
     return new
 
@@ -237,7 +246,6 @@ def _new_dynamo_breaks() -> list[str]:
 def _graph_break_here() -> str | None:
     """Where and why Dynamo ended the graph it is handing the backend, if a graph break did:
     the next graph starts after it, so a loss there whose logits are an input names this."""
-    new_breaks = _new_dynamo_breaks()
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -252,10 +260,19 @@ def _graph_break_here() -> str | None:
         where = f"{os.path.basename(frame.filename)}:{frame.lineno} (`{(frame.line or '').strip()}`)"
     text = f"Dynamo broke the graph before it at {where}: {reason.reason.strip().splitlines()[0]}"
     hint = graph_break_hint(reason.reason)
-    if not hint and new_breaks:  # a break inside a called function: "step_unsupported", the call's line
-        text += f" ({_summarise_break(new_breaks[-1])})"
-        hint = graph_break_hint(new_breaks[-1])
     return f"{text}; fix: {hint}" if hint else text
+
+
+def _named_break(where: str, breaks: list[str]) -> str:
+    """``where`` Dynamo broke the graph, with the call that broke it and its fix, from the breaks
+    Dynamo counted around it, where its reason there names neither (a break inside a called
+    function: "step_unsupported" at the call's line)."""
+    if "; fix: " in where:
+        return where
+    known = [reason for reason in breaks if graph_break_hint(reason)]
+    if not known:
+        return where
+    return f"{where} ({_summarise_break(known[-1])}); fix: {graph_break_hint(known[-1])}"
 
 
 def _summarise_break(reason: str) -> str:

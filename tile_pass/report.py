@@ -314,6 +314,13 @@ def graph_break_hint(reason: str) -> str:
             "torch.where / ignore_index labels) instead, or set "
             "torch._dynamo.config.capture_dynamic_output_shape_ops = True"
         )
+    if "Import failure" in reason or "Failure when attempting to import" in reason:
+        return (
+            "an import that fails inside the compiled code (an optional kernel tried in a try block, as "
+            "OpenRLHF's log_probs_from_logits tries flash-attn's) ends the graph, and Dynamo runs the rest "
+            "of that function eagerly: install the package, or import it once at module level, so the "
+            "head and the loss stay in one graph"
+        )
     if "logging.Logger" in reason:
         from tile_pass._logging_calls import logging_break_hint
 
