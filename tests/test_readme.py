@@ -51,6 +51,25 @@ def test_the_quick_start_runs_as_written():
     assert "graph break" not in proc.stdout, proc.stdout
 
 
+def test_usage_md_report_example_prints_what_it_shows():
+    """docs/usage.md's "Seeing what tile_pass did": its explain block prints the report it quotes."""
+    pytest.importorskip("transformers")
+    section = _section((ROOT / "docs" / "usage.md").read_text(), "Seeing what tile_pass did")
+    code, shown = _fenced(section, "python")[0], _fenced(section, "text")[0].splitlines()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sourced = ("    matmul: ", "    loss:   ")
+    printed = proc.stdout.splitlines()
+    assert [line for line in printed if not line.startswith(sourced)] == [
+        line for line in shown if not line.startswith(sourced)
+    ], proc.stdout
+    assert (
+        sum(line.startswith(sourced) for line in printed)
+        == sum(line.startswith(sourced) for line in shown)
+        == 2
+    )
+
+
 def test_ci_runs_the_test_command_of_the_readme():
     """.ci/run calls the README's second set-up command exactly (update both together)."""
     (commands,) = _fenced(_section(README, "Set up: two commands"), "bash")
