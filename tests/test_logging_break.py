@@ -163,3 +163,15 @@ def test_the_setting_is_restored_when_the_compiled_call_raises():
     with pytest.raises(ValueError, match="disagree"):
         compiled(hidden, weight, labels[:-1])
     assert logging.Logger.warning_once not in torch._dynamo.config.ignore_logging_functions
+
+
+def test_fullgraph_compiles_across_a_once_only_log_call():
+    hidden, weight, labels = inputs("cpu")
+    with pytest.raises(torch._dynamo.exc.Unsupported):  # torch.compile alone: the call is a break
+        torch.compile(once_between, backend=tile_pass.backend("aot_eager"), fullgraph=True)(
+            hidden, weight, labels
+        )
+    torch._dynamo.reset()
+    compiled = tile_pass.compile(once_between, "aot_eager", tile_tokens=8, fullgraph=True)
+    torch.testing.assert_close(compiled(hidden, weight, labels), once_between(hidden, weight, labels))
+    assert len(compiled.tile_pass_backend.report().rewrites) == 1
