@@ -431,21 +431,48 @@ def torchtune_dpo(h, w, d, *, t, metrics=False, reference_forward=False):
     return loss
 
 
-def torchtune_grpo(h, w, d, *, t, form="token"):
-    """torchtune's GRPO recipe (``dev/grpo_full_finetune_distributed``), written in its style
-    from its source: ``torchtune.dev.grpo`` (the losses) and ``rlhf.batched_logits_to_logprobs``
-    are not in the 0.6.1 wheel, so the log-probabilities come from the installed
-    ``rlhf.logits_to_logprobs`` and the losses are the published formulas: per-token clipped
-    ratios with a k3 KL (``token``), or TRL's single-step form (``simple``)."""
-    mask = d["response_mask"].bool()
+def _batched_logits_to_logprobs(t, logits, sequences, temperature, chunk_size):
+    """torchtune's ``rlhf.batched_logits_to_logprobs`` (not in the 0.6.1 wheel), in its form:
+    ``logits_to_logprobs`` over chunks of ``chunk_size`` sequences, concatenated."""
+    return torch.cat(
+        [
+            t.rlhf.logits_to_logprobs(logits[i : i + chunk_size], sequences[i : i + chunk_size], temperature)
+            for i in range(0, logits.shape[0], chunk_size)
+        ]
+    )
+
+
+def torchtune_grpo(h, w, d, *, t, form="token", chunk_size=None):
+    """torchtune's GRPO recipe (``dev/grpo_full_finetune_distributed``, ``grpo_step``), written
+    in its style from its source: ``torchtune.dev.grpo`` (the losses) and
+    ``rlhf.batched_logits_to_logprobs`` are not in the 0.6.1 wheel. The logits truncated to the
+    response, their log-probabilities (per chunk of sequences with ``chunk_size``, else the
+    installed ``rlhf.logits_to_logprobs``), padded positions set to 1.0 in place, the masks
+    negated, then the loss: per-token clipped ratios with a k3 KL (``token``), ratios of whole
+    completions (``completion``), or TRL's single-step form (``simple``)."""
+    pad = d["response_mask"] == 0
     logits = t.rlhf.truncate_sequence_for_logprobs(h @ w.t(), PROMPT)
-    pi = t.rlhf.logits_to_logprobs(logits, d["input_ids"][:, PROMPT:], TEMPERATURE)
-    ref, adv = d["ref_log_probs"], d["seq_advantages"][:, None]
-    kl = torch.exp(ref - pi) - (ref - pi) - 1
+    responses = d["input_ids"][:, PROMPT:]
+    if chunk_size is None:
+        pi = t.rlhf.logits_to_logprobs(logits, responses, TEMPERATURE)
+    else:
+        pi = _batched_logits_to_logprobs(t, logits, responses, TEMPERATURE, chunk_size)
+    pi[pad] = 1.0
+    mask = ~pad
+    old, ref, adv = d["old_log_probs"], d["ref_log_probs"], d["seq_advantages"]
+    if form == "completion":
+        pi, old, ref = ((x * mask).sum(-1) for x in (pi, old, ref))
+        ratios = torch.exp(pi - old)
+        policy = torch.minimum(adv * ratios.clamp(0.9, 1.1), adv * ratios).mean()
+        kl = torch.exp(ref - pi) - (ref - pi) - 1
+        return -(policy - 0.1 * kl.mean())
+    adv = adv[:, None]
     if form == "token":
-        ratios = torch.exp(pi - d["old_log_probs"])
+        kl = torch.exp(ref - pi) - (ref - pi) - 1
+        ratios = torch.exp(pi - old)
         policy = torch.minimum(adv * ratios.clamp(0.9, 1.1), adv * ratios)
         return -(t.rlhf.masked_mean(policy, mask) - 0.1 * t.rlhf.masked_mean(kl, mask))
+    kl = torch.exp(ref.detach() - pi) - (ref.detach() - pi) - 1
     per_token = -(torch.exp(pi - pi.detach()) * adv - 0.1 * kl)
     return t.rlhf.masked_mean(per_token, mask, dim=1).mean()
 
@@ -467,6 +494,12 @@ def torchtune_steps() -> list[Step]:
         ),
         Step("torchtune", "grpo", grpo, written_from=written),
         Step("torchtune", "grpo-simple", functools.partial(grpo, form="simple"), written_from=written),
+        Step(
+            "torchtune", "grpo-completion", functools.partial(grpo, form="completion"), written_from=written
+        ),
+        Step(
+            "torchtune", "grpo-batched-logprobs", functools.partial(grpo, chunk_size=1), written_from=written
+        ),
     ]
 
 

@@ -61,6 +61,10 @@ EXPECTED = {
     "torchtune/dpo-reference-forward": "skipped",
     "torchtune/grpo": "tiled",
     "torchtune/grpo-simple": "tiled",
+    "torchtune/grpo-completion": "tiled",
+    # batched_logits_to_logprobs(chunk_size=1): chunks of sequences of the truncated logits, "slices
+    # the logits' token rows while `getitem` ... reads them whole"
+    "torchtune/grpo-batched-logprobs": "skipped",
     "nemo-rl/clipped-pg": "tiled",
     "nemo-rl/clipped-pg-t1": "tiled",
 }  # fmt: skip
@@ -73,7 +77,8 @@ INNER_BACKEND_WRONG = {"openrlhf/ppo-k3-entropy", "openrlhf/ppo-dual-clip-k1", "
 #: the default run: one step per composition (the rest under ``-m slow``)
 FAST = {
     "verl/padded-vanilla", "verl/rmpad", "verl/rmpad-chunked-entropy", "openrlhf/ppo-k3-entropy",
-    "openrlhf/dpo", "torchtune/ppo", "torchtune/dpo-reference-forward", "torchtune/grpo",
+    "openrlhf/dpo", "torchtune/ppo", "torchtune/dpo-reference-forward",
+    "torchtune/grpo-batched-logprobs",
     "nemo-rl/clipped-pg",
 }  # fmt: skip
 
