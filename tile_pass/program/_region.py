@@ -295,7 +295,11 @@ def run_program(
 ) -> list[torch.Tensor]:
     """The program's outputs for the tokens of ``hidden`` (a tile, or all of them, flat)."""
     if program.bias_added and bias is not None:
-        logits = F.linear(hidden, weight) + bias
+        product = F.linear(hidden, weight)
+        # a half-precision bias comes upcast (tiled_region): the sum rounds as eager's add does
+        # (exactly, in float32, then to the product's dtype), and its gradient is summed over the
+        # tile's tokens in float32, as eager's is over all tokens, not rounded once per tile
+        logits = (product + bias).to(product.dtype)
     else:
         logits = F.linear(hidden, weight, bias)
     env: dict = {Ref(RefKind.VALUE, 0): logits}

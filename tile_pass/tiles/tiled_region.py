@@ -414,6 +414,8 @@ def _run_tiles(
     need = need._replace(
         rows=need.rows or (False,) * len(row_inputs), tokens=need.tokens or (False,) * len(token_inputs)
     )
+    if program.bias_added and bias is not None and bias.dtype in (torch.float16, torch.bfloat16):
+        bias = bias.float()  # see run_program: its gradient then is not rounded once per tile
     # the traced tiles assume contiguous slices; a derived token weight can be a broadcast scalar
     tangents = {i: t.contiguous() for i, t in tangents.items()}
     token_inputs = [t.contiguous() for t in token_inputs]
