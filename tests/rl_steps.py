@@ -506,28 +506,49 @@ def torchtune_steps() -> list[Step]:
 # ------------------------------------------------------------------------------ NeMo-RL
 
 
-def nemo_rl_clipped_pg(h, w, d, *, temperature=TEMPERATURE, reference_kl=True):
+def _masked_mean(values, mask, normalizer=None):
+    """NeMo-RL's ``masked_mean``: over the mask, or divided by a global token count."""
+    if normalizer is None:
+        return (values * mask).sum() / (mask.sum() + 1e-8)
+    return (values * mask).sum() / normalizer
+
+
+def _full(response_values):
+    """A per-response-token tensor laid over the whole sequence, as NeMo-RL's data dict holds it."""
+    return torch.cat([response_values.new_zeros(B, PROMPT), response_values], dim=1)
+
+
+def nemo_rl_clipped_pg(h, w, d, *, temperature=TEMPERATURE, metrics=True):
     """NeMo-RL's DTensor policy worker and ``ClippedPGLossFn``, written in its style from its
-    source (``nemo-rl`` on the registry is an empty 0.0.0 placeholder): the logits in float32,
-    divided by the generation temperature in place, next-token log-probabilities by
-    ``log_softmax`` and ``gather``, the clipped ratio against the rollout's log-probabilities,
-    the k3 KL to the reference, each a mean over the masked tokens of the batch."""
+    source (``nemo-rl`` on the registry is an empty 0.0.0 placeholder). The worker: the logits
+    in float32, divided by the generation temperature in place. The loss: its mismatch metric
+    read with ``.item()`` before the logits are, next-token log-probabilities by ``log_softmax``
+    of ``logits[:, :-1]`` and ``gather``, the k3 KL to the reference and the clipped ratio, each a
+    masked mean normalised by the global token count, and the ratio metrics after (``metrics``)."""
     logits = (h @ w.t()).to(torch.float32)
     if temperature != 1.0:
         logits.div_(temperature)
-    next_token_logits = logits[:, PROMPT - 1 : -1]
-    logprobs = torch.nn.functional.log_softmax(next_token_logits, dim=-1)
-    curr = logprobs.gather(dim=-1, index=d["input_ids"][:, PROMPT:].unsqueeze(-1)).squeeze(-1)
-    mask = d["response_mask"].to(curr.dtype)
-    denominator = mask.sum().clamp(min=1)
-    ratios = (curr - d["old_log_probs"]).exp()
-    clipped = ratios.clamp(1 - 0.2, 1 + 0.2)
-    adv = d["advantages"]
-    loss = (torch.max(-adv * ratios, -adv * clipped) * mask).sum() / denominator
-    if reference_kl:
-        log_ratio = d["ref_log_probs"] - curr
-        kl = (log_ratio.exp() - log_ratio - 1) * mask
-        loss = loss + 0.01 * kl.sum() / denominator
+    token_mask = _full(d["response_mask"].to(h.dtype))[:, 1:]
+    sample_mask = torch.ones(B, dtype=h.dtype, device=h.device)
+    mask = token_mask * sample_mask.unsqueeze(-1)
+    advantages, prev = _full(d["advantages"])[:, 1:], _full(d["old_log_probs"])[:, 1:]
+    generation, reference = _full(d["rollout_log_probs"])[:, 1:], _full(d["ref_log_probs"])[:, 1:]
+    valid_tokens = mask.sum()
+    if metrics:  # token_mult_prob_error, before the logits are read
+        _masked_mean(torch.exp(torch.abs(generation - prev) * mask), mask, valid_tokens).item()
+    next_token_logits = logits.to(torch.float32)
+    next_token_logprobs = torch.nn.functional.log_softmax(next_token_logits[:, :-1], dim=-1)
+    curr = next_token_logprobs.gather(dim=-1, index=d["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    log_ratio = reference - curr  # k3
+    kl = 0.01 * (torch.exp(log_ratio) - log_ratio - 1)
+    kl = _masked_mean(kl, mask, valid_tokens)
+    ratios = (curr - prev).exp()
+    ratios_clamped = ratios.clamp(1.0 - 0.2, 1.0 + 0.28)
+    clip_loss = torch.max(-advantages * ratios, -advantages * ratios_clamped)
+    loss = _masked_mean(clip_loss, mask, valid_tokens) + kl
+    if metrics:
+        with torch.no_grad():
+            _masked_mean(ratios.detach(), mask, valid_tokens).item()
     return loss
 
 
@@ -535,6 +556,8 @@ def nemo_rl_steps() -> list[Step]:
     written = "NeMo-RL ClippedPGLossFn (nemo-rl does not install), from its source"
     return [
         Step("nemo-rl", "clipped-pg", nemo_rl_clipped_pg, written_from=written),
+        Step("nemo-rl", "clipped-pg-no-metrics", functools.partial(nemo_rl_clipped_pg, metrics=False),
+             written_from=written),
         Step("nemo-rl", "clipped-pg-t1", functools.partial(nemo_rl_clipped_pg, temperature=1.0),
              written_from=written),
     ]  # fmt: skip
