@@ -234,3 +234,17 @@ def test_the_frameworks_own_functions_are_called():
     assert set(v.core_algos.POLICY_LOSS_REGISTRY) <= registered, "a policy loss verl registers is not tested"
     o = S.openrlhf()
     assert o.utils.log_probs_from_logits.__module__ == "openrlhf.models.utils"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nemo_rl_metrics_tile_with_the_reported_fix(device):
+    """NeMo-RL's loss reads a metric with ``.item()`` before the logits; the skip's fix (Dynamo's
+    ``capture_scalar_outputs``) keeps head and loss in one graph: tiled, and exact."""
+    step = next(s for s in S.all_steps() if _key(s) == "nemo-rl/clipped-pg")
+    backend = tile_pass.backend("aot_eager", tile_tokens=SMALL_TILE)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = _run(torch.compile(step.fn, backend=backend), step.data, device, torch.float32)
+    report = backend.report()
+    assert len(report.rewrites) == 1 and not report.skipped, str(report)
+    _check_close(compiled, _eager(step, device), "nemo-rl/clipped-pg, scalars captured")
