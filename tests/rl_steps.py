@@ -336,25 +336,36 @@ def verl_steps() -> list[Step]:
 # ------------------------------------------------------------------------------ OpenRLHF
 
 
-def openrlhf_actor(h, w, d, *, o, policy_loss_type="ppo", entropy=True, kl="k3", dual_clip=None):
-    """OpenRLHF's ``Actor.forward`` and its PPO trainer step: the logits of the whole sequence,
-    ``log_probs_from_logits`` of the next tokens at the rollout's temperature, the action
-    log-probabilities sliced out, ``compute_entropy``, ``PolicyLoss`` and the KL to the
-    reference (``compute_approx_kl``) as a masked mean."""
-    logits = h @ w.t()  # output["logits"]
-    log_probs = o.utils.log_probs_from_logits(
-        logits[:, :-1, :], d["input_ids"][:, 1:], temperature=TEMPERATURE
-    )
-    action_log_probs = log_probs[:, -R:]
+def openrlhf_actor(
+    h, w, d, *, o, policy_loss_type="ppo", entropy=True, kl="k3", dual_clip=None, temperature_in_helper=False
+):
+    """OpenRLHF's ``Actor.forward`` (0.11.2, without sample packing) and its PPO trainer's loss:
+    the logits in float32 divided by the temperature in place, ``compute_entropy`` of them,
+    ``log_probs_from_logits`` of the rolled sequence, the last position dropped, the action
+    log-probabilities sliced out and masked; then ``PolicyLoss``, the KL to the reference
+    (``compute_approx_kl``) and the entropy bonus as masked means. ``temperature_in_helper``:
+    the temperature given to ``log_probs_from_logits`` instead, on ``logits[:, :-1]`` (its own
+    in-place division of that view), and the entropy of the logits after it, as older actors did."""
+    logits = (h @ w.t()).to(torch.float32)  # output["logits"]
+    if temperature_in_helper:
+        log_probs = o.utils.log_probs_from_logits(
+            logits[:, :-1], d["input_ids"][:, 1:], temperature=TEMPERATURE
+        )
+        ent = o.utils.compute_entropy(logits)[:, :-1] if entropy else None
+    else:
+        logits.div_(TEMPERATURE)
+        ent = o.utils.compute_entropy(logits)[:, :-1] if entropy else None  # itself under @torch.compile
+        rolled = torch.roll(d["input_ids"], shifts=-1, dims=1)
+        log_probs = o.utils.log_probs_from_logits(logits, rolled)[:, :-1]
     mask = d["response_mask"]
+    action_log_probs = log_probs[:, -R:] * mask.float()
     policy = o.loss.PolicyLoss(0.2, 0.28, dual_clip=dual_clip, policy_loss_type=policy_loss_type)
     loss, *_ = policy(action_log_probs, d["old_log_probs"], d["advantages"], action_mask=mask)
     if kl is not None:
         kld = o.utils.compute_approx_kl(action_log_probs, d["ref_log_probs"], kl_estimator=kl)
         loss = loss + 0.01 * o.utils.masked_mean(kld, mask, dim=-1).mean()
-    if entropy:
-        ent = o.utils.compute_entropy(logits[:, -R - 1 : -1])  # itself under @torch.compile
-        loss = loss - 0.01 * o.utils.masked_mean(ent, mask)
+    if ent is not None:
+        loss = loss - 0.01 * o.utils.masked_mean(ent[:, -R:], mask)
     return loss
 
 
@@ -387,6 +398,7 @@ def openrlhf_steps() -> list[Step]:
         Step("openrlhf", "ppo-dual-clip-k1", functools.partial(actor, kl="k1", dual_clip=3.0)),
         Step("openrlhf", "gspo-k2", functools.partial(actor, policy_loss_type="gspo", kl="k2")),
         Step("openrlhf", "ppo-no-entropy", functools.partial(actor, entropy=False)),
+        Step("openrlhf", "ppo-temperature-in-helper", functools.partial(actor, temperature_in_helper=True)),
         Step("openrlhf", "dpo", functools.partial(openrlhf_dpo, o=openrlhf()), pairs),
     ]
 
