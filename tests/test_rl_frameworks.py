@@ -250,3 +250,31 @@ def test_nemo_rl_metrics_tile_with_the_reported_fix(device):
     report = backend.report()
     assert len(report.rewrites) == 1 and not report.skipped, str(report)
     _check_close(compiled, _eager(step, device), "nemo-rl/clipped-pg, scalars captured")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["openrlhf/ppo-k3-entropy", "openrlhf/gspo-k2", "openrlhf/dpo"])
+def test_openrlhf_steps_tile_with_the_integration(name, device):
+    """With ``hand_log_probs_to_tile_pass()`` OpenRLHF's steps keep head, entropy and
+    log-probabilities in one graph: rewritten, nothing skipped, and equal to float64 eager of
+    the same step through OpenRLHF's own helper (the oracle runs before the swap)."""
+    if importlib.util.find_spec("openrlhf") is None:
+        pytest.skip("openrlhf is not installed")
+    from tile_pass.integrations import openrlhf as integration
+
+    step = next(s for s in S.all_steps() if _key(s) == name)
+    oracle = _eager(step, device)
+    o = S.openrlhf()
+    own = o.utils.log_probs_from_logits
+    try:
+        assert integration.hand_log_probs_to_tile_pass() == ["openrlhf.models.utils"]
+        assert o.utils.log_probs_from_logits is integration.log_probs_from_logits
+        backend = tile_pass.backend("aot_eager", tile_tokens=SMALL_TILE)
+        torch._dynamo.reset()
+        compiled = _run(torch.compile(step.fn, backend=backend), step.data, device, torch.float32)
+    finally:
+        integration.restore_log_probs()
+    assert o.utils.log_probs_from_logits is own
+    report = backend.report()
+    assert len(report.rewrites) == step.heads and not report.skipped, f"{name}\n{report}"
+    _check_close(compiled, oracle, f"{name} with the integration")
