@@ -104,9 +104,8 @@ STEPS = _params()
 
 
 def _run(fn, data, device, dtype, seed=0):
-    """The loss (the first output) and the gradients of ``h`` and ``w``; the RNG seeded (verl's
-    clip_cov draws which tokens to clip) and every ``torch.compile`` inside a framework
-    (OpenRLHF's ``compute_entropy``) run eagerly unless ``fn`` is itself compiled."""
+    """The loss (the first output) and the gradients of ``h`` and ``w``, the RNG seeded first:
+    verl's clip_cov draws which tokens to clip, and both runs must draw the same."""
     h, w, d = data(device)
     if dtype == torch.float64:
         h, w, d = S.float64((h, w, d))
@@ -119,6 +118,8 @@ def _run(fn, data, device, dtype, seed=0):
 
 
 def _eager(step, device, dtype=torch.float64):
+    """The oracle: every ``torch.compile`` inside a framework (OpenRLHF's ``compute_entropy``)
+    runs eagerly too."""
     with torch.compiler.set_stance("force_eager"):
         return _run(step.fn, step.data, device, dtype)
 
