@@ -76,6 +76,9 @@ CASES = [
     ("distill_kl_div_mean", "distill", ("x", "w")),
     ("distill_kl_div_batchmean", "distill", ("x", "w")),
     ("distill_teacher_first", "distill", ("x", "w")),
+    # two trained heads (student and teacher both learn): one region, every gradient from the tiles
+    ("distill_jsd_both_trained", "distill", ("x", "w", "ht", "wt")),
+    ("distill_forward_kl_both_trained", "distill", ("x", "w", "ht", "wt")),
 ]
 VARIANTS = {
     "distill_jsd_beta0": functools.partial(L.distill_jsd, beta=0.0, temperature=1.0),
@@ -83,6 +86,8 @@ VARIANTS = {
     "distill_kl_div_sum": functools.partial(L.distill_kl_div, reduction="sum"),
     "distill_kl_div_mean": functools.partial(L.distill_kl_div, reduction="mean"),
     "distill_kl_div_batchmean": functools.partial(L.distill_kl_div, reduction="batchmean"),
+    "distill_jsd_both_trained": L.distill_jsd,
+    "distill_forward_kl_both_trained": L.distill_forward_kl,
 }
 
 
@@ -142,8 +147,11 @@ def test_graph_break_between_head_and_loss_is_named_with_its_fix(fn, line, fix):
     h, w = torch.randn(6, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
     y = torch.randint(0, V, (6,))
     report = tile_pass.explain(fn, h, w, y)
-    reasons = [s.reason for s in report.skipped if "graph break" in s.reason]
+    reasons = [s.reason for s in report.skipped if "the logits are an input of this graph" in s.reason]
     assert reasons, str(report)
+    # the head's half says its logits leave that graph whole, and names the same break
+    head_side = [s.reason for s in report.skipped if "leaves graph 0 whole" in s.reason]
+    assert len(head_side) == 1 and line in head_side[0] and fix in head_side[0], str(report)
     assert "Dynamo broke the graph before it at test_losses_as_written.py:" in reasons[0], reasons[0]
     assert line in reasons[0] and fix in reasons[0], reasons[0]
 

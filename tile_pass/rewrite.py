@@ -143,7 +143,8 @@ def _rewrite_regions(gm, graph_index: int, options: TileOptions, region: list) -
     report.skipped[:0] = [
         Skip(graph_index, source_line(loss), _why_untiled(loss)) for loss in losses if loss.graph is not None
     ]
-    report.skipped += _unaccounted_heads(gm.graph, graph_index, report)
+    reported = {_row_wise_root(bind(LOSS_SIGNATURES[loss.target], loss).get("input")) for loss in losses}
+    report.skipped += _unaccounted_heads(gm.graph, graph_index, report, reported)
     if report.rewrites:
         gm.graph.lint()
         gm.recompile()
@@ -194,20 +195,22 @@ def _why_untiled(loss: torch.fx.Node) -> str:
     return f"the LM head at {source_line(node)} reaches the loss, but no row-wise region of it was found"
 
 
-def _unaccounted_heads(graph: torch.fx.Graph, graph_index: int, report: GraphReport) -> list[Skip]:
+def _unaccounted_heads(
+    graph: torch.fx.Graph, graph_index: int, report: GraphReport, reported: set
+) -> list[Skip]:
     """Every head the pass sees is rewritten or named: the log-probs, log-sum-exp, gather or KL
     of logits handed in as a graph input (a graph break before them: the same reason a cross
     entropy there gets), and a projection whose ``[N, V]`` output the graph returns whole with
     nothing here reading it as logits (the other half of such a break, or a forward that only
     returns logits): nothing of either is tiled, and the report says so."""
     skips: list[Skip] = []
-    seen: set[torch.fx.Node] = set()
+    seen = set(reported)  # the inputs a loss's own skip already names
     for node in graph.nodes:
         facts = facts_for(node.target) if node.op in ("call_function", "call_method") else None
         if facts is None or not facts.head_sign or spelling(node.target).inplace or not node.args:
             continue
         root = _row_wise_root(node.args[0])
-        if root is not None and root.op == "placeholder" and root not in seen:
+        if root is not None and root.op == "placeholder" and root not in seen and not _feeds_region(node):
             seen.add(root)
             skips.append(Skip(graph_index, source_line(node), GRAPH_BREAK))
     lines = {s.loss_source for s in report.skipped} | {r.matmul_source for r in report.rewrites}
@@ -224,6 +227,20 @@ def _unaccounted_heads(graph: torch.fx.Graph, graph_index: int, report: GraphRep
                 "instead (return the loss, or pass labels to the model)"
             )))  # fmt: skip
     return skips
+
+
+def _feeds_region(node: torch.fx.Node) -> bool:
+    """Whether a rewritten region reads ``node``'s value (a teacher's given logits, its log-probs
+    read per token by the student's tiles): then it is an input of that region, not a lost head."""
+    stack, seen = [node], {node}
+    while stack:
+        for user in stack.pop().users:
+            if is_region_node(user):
+                return True
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return False
 
 
 def _row_wise_root(node) -> torch.fx.Node | None:

@@ -611,8 +611,9 @@ class RegionMatcher:
 
     def partner_projections(self) -> set[torch.fx.Node]:
         """Other projections onto the same vocabulary whose logits this region's readers combine
-        with row by row (a frozen teacher's head beside the student's), and which need no
-        gradient: each tile computes their logits too, so neither head's ``[N, V]`` logits exist."""
+        with row by row (a frozen teacher's head beside the student's, or a second trained head:
+        its weight's and hidden states' gradients are derived in the tiles as the first head's):
+        each tile computes their logits too, so neither head's ``[N, V]`` logits exist."""
         mine = _descendants(self.projection) | {self.projection}
         partners = set()
         for node in self.graph.nodes:
@@ -623,7 +624,9 @@ class RegionMatcher:
             except NoMatch:
                 continue
             out = val(node)
-            if linear is None or out is None or out.requires_grad or not same(out.shape[-1], self.vocab):
+            if linear is None or out is None or not same(out.shape[-1], self.vocab):
+                continue
+            if out.requires_grad and not self._trained_partners_allowed():
                 continue
             weight = val(linear[1])
             if (
@@ -636,6 +639,12 @@ class RegionMatcher:
             if any(u in mine for u in _descendants(node)):
                 partners.add(node)
         return partners
+
+    def _trained_partners_allowed(self) -> bool:
+        """A trained second head joins a trained first one (a frozen head never leads a trained one:
+        the trained head's own region takes the frozen one as its partner), on whole heads only
+        (the tensor-parallel tiles' group-wide steps are proven for frozen partners alone)."""
+        return self.shard is None and bool(getattr(val(self.projection), "requires_grad", False))
 
     def _sharded_alike(self, linear, out) -> bool:
         """Whether a partner head is split over the vocabulary as this head is: neither sharded,
@@ -659,13 +668,16 @@ class RegionMatcher:
             raise NoMatch("{} projects hidden states that do not match its weight", node)
         if self.slices:
             raise NoMatch("{} is a second head after the logits' token rows were sliced", node)
-        entry = TokenInput(hidden, (hidden_val.shape[-1],), self.flat_tokens(tokens))
+        trained = out_val.requires_grad  # a trained second head: its gradients are derived in the tiles too
+        entry = TokenInput(hidden, (hidden_val.shape[-1],), self.flat_tokens(tokens),
+                           differentiable=trained and hidden_val.requires_grad)  # fmt: skip
         self.token_inputs.append(entry)
         self.partner_inputs.append(entry)
         args = [Ref(RefKind.TOKEN, len(self.token_inputs) - 1)]
         for operand in (weight, bias):
             if operand is not None:
-                self.row_inputs.append(RowInput(operand, False, whole=True))
+                grad = trained and bool(getattr(val(operand), "requires_grad", False))
+                self.row_inputs.append(RowInput(operand, False, whole=True, differentiable=grad))
                 self.partner_inputs.append(self.row_inputs[-1])
                 args.append(Ref(RefKind.ROW, len(self.row_inputs) - 1))
         classified = Classified(self.step(node, F.linear, args), Shape(Layout.ROWS, tokens))
@@ -1057,10 +1069,13 @@ def _build_region(matcher: RegionMatcher) -> RowRegion | None:
     steps_text = [matcher.head_form if matcher.autocast_dtype is None
                   else f"autocast({str(matcher.autocast_dtype)[6:]}) {matcher.head_form}"]  # fmt: skip
     partner_of = {matcher.values[p].value.index: p for p in matcher.partners}
+    head_number = {index: k for k, index in enumerate(sorted(partner_of), start=2)}
     for value in matcher.program[1:]:
         shown = value.step.describe()
         if value.index in partner_of:  # another head's logits, computed in the same tiles
-            shown = f"head 2 ({as_linear(partner_of[value.index])[4]}, {value.step.source}, no gradient)"
+            trained = val(partner_of[value.index]).requires_grad
+            shown = (f"head {head_number[value.index]} ({as_linear(partner_of[value.index])[4]}, "
+                     f"{value.step.source}, {'trained' if trained else 'no gradient'})")  # fmt: skip
         steps_text += ["slice tokens"] * matcher.slice_steps.count(value.index) + [shown]
     if matcher.selections:
         steps_text.append(f"row selections {', '.join(_index_text(i) for i, _ in matcher.selections)}")
