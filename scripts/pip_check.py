@@ -24,11 +24,11 @@ from packaging.utils import canonicalize_name
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 #: what the project installs: tile_pass with these extras, and these packages (--no-deps);
-#: ``.ci/run`` installs the ``rl`` extra's packages with --no-deps
+#: the README's test command (.ci/run) installs the ``rl`` extra's packages with --no-deps
 ROOTS = {"tile_pass": ("test", "rl"), "torchtitan": ()}
 
 _RL = (
-    "installed with --no-deps from the rl extra (.ci/run) for their loss modules alone "
+    "installed with --no-deps from the rl extra (the README's test command) for their loss modules alone "
     "(tests/test_rl_frameworks.py): their training requirements (ray, vllm, flash-attn, ...) do not "
     "install on a CPU machine, and their exact pins (transformers, deepspeed, tensordict) are not "
     "the test extra's; the loss modules the tests import run with what is installed"

@@ -78,6 +78,11 @@ def test_ci_runs_the_test_command_of_the_readme():
     assert "python examples/demo.py" in install_and_test[0]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert install_and_test[1] in ci, (install_and_test[1], ci)
+    # what it installs with --no-deps beside torchtitan is the rl extra (tests/test_rl_frameworks.py)
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
+    rl = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["rl"]
+    no_deps = re.search(r"pip install --no-deps ([^&]+)&&", install_and_test[1]).group(1).split()
+    assert no_deps == ["torchtitan==0.3.0", *rl], no_deps
 
 
 def _markdown_files() -> list[Path]:

@@ -319,7 +319,8 @@ def graph_break_hint(reason: str) -> str:
             "an import that fails inside the compiled code (an optional kernel tried in a try block, as "
             "OpenRLHF's log_probs_from_logits tries flash-attn's) ends the graph, and Dynamo runs the rest "
             "of that function eagerly: install the package, or import it once at module level, so the "
-            "head and the loss stay in one graph"
+            "head and the loss stay in one graph (OpenRLHF: tile_pass.integrations.openrlhf."
+            "hand_log_probs_to_tile_pass() swaps in its log-probs without the import)"
         )
     if "logging.Logger" in reason:
         from tile_pass._logging_calls import logging_break_hint
