@@ -221,3 +221,60 @@ def test_bf16_float_copy_scaled_in_place():
     oracle = _run(float_copy, h.double(), w.double(), y)
     for actual, expected in zip(got, oracle, strict=True):
         assert_close_to_oracle(actual, expected, torch.bfloat16, "bf16 float copy")
+
+
+def masked_writes(h, w, y):
+    """torchtune's ``get_batch_log_probs`` and PPO: ``labels[labels == -100] = 0`` on a clone, then
+    the log-probs, and padded positions set to 1.0 in place (``lp[pad] = 1.0``)."""
+    logits = h @ w.T
+    labels = y.clone()
+    labels[labels == -100] = 0
+    lp = _logprobs(logits, labels)
+    pad = y == -100
+    lp[pad] = 1.0
+    return -(lp * ~pad).sum() / (~pad).sum()
+
+
+def reference_after_policy(h, w, y):
+    """A frozen reference head computed after the policy's logits are read, under no_grad: it moves
+    before the policy's region, and both heads are tiled."""
+    labels = y.clamp(min=0)
+    policy = _logprobs(h @ w.T, labels)
+    with torch.no_grad():
+        reference = _logprobs(h.detach().flip(1) @ w.detach().T * 0.5, labels)
+    return -F.logsigmoid((policy - reference).sum(-1)).mean()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", [masked_writes, reference_after_policy], ids=lambda f: f.__name__)
+def test_masked_writes_and_a_reference_head_after_the_policy(fn, device):
+    h, w, y = _data(device)
+    backend = tile_pass.backend("aot_eager", tile_tokens=TILE, strict=True)
+    got = _run(torch.compile(fn, backend=backend), h, w, y)
+    report = backend.report()
+    assert report.rewrites and not report.skipped, str(report)
+    oracle = _run(fn, h.double(), w.double(), y)
+    for actual, expected, what in zip(got, oracle, ("loss", "dh", "dw"), strict=True):
+        assert_close_to_oracle(actual, expected, torch.float32, f"{fn.__name__} {what}")
+
+
+def scale_under_no_grad(h, w, y):
+    """A detached per-token scale computed after the logits are read, under no_grad, from the
+    hidden states (which need a gradient): moving it before the region out of its no_grad block
+    would send a gradient through it. It is not moved; the step stays exact."""
+    policy = _logprobs(h @ w.T, y.clamp(min=0))
+    with torch.no_grad():
+        scale = (h * 2).sum(-1)
+    return -(policy * scale).sum()
+
+
+def test_a_value_computed_under_no_grad_is_not_moved_out_of_it():
+    h, w, y = _data("cpu")
+    backend = tile_pass.backend("aot_eager", tile_tokens=TILE, strict=True)
+    got = _run(torch.compile(scale_under_no_grad, backend=backend), h, w, y)
+    oracle = _run(scale_under_no_grad, h.double(), w.double(), y)
+    for actual, expected in zip(got, oracle, strict=True):
+        assert_close_to_oracle(actual, expected, torch.float32, "scale under no_grad")
+    report = backend.report()
+    moved = [s.reason for s in report.skipped if "grad mode" in s.reason]
+    assert report.rewrites or moved, str(report)

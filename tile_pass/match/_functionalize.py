@@ -25,6 +25,8 @@ Which spellings write in place, and the op each is replayed as, come from the op
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 from torch.fx.node import map_arg
@@ -71,14 +73,37 @@ def _memory_of(graph: torch.fx.Graph) -> dict[torch.fx.Node, int]:
 
 
 def _writable(node: torch.fx.Node) -> bool:
-    """An in-place spelling of an op whose facts allow replaying it out of place."""
+    """An in-place spelling of an op whose facts allow replaying it out of place, or a masked
+    write ``x[mask] = value`` (see :func:`_as_call`)."""
     if node.op not in ("call_function", "call_method") or not node.args:
         return False
+    if node.target is operator.setitem:
+        return _masked_write(node)
     spelled = spelling(node.target)
     if spelled is None or not spelled.inplace:
         return False
     facts = FACTS.get(spelled.key)
     return facts is not None and facts.inplace and isinstance(node.args[0], torch.fx.Node)
+
+
+def _masked_write(node: torch.fx.Node) -> bool:
+    """``x[mask] = value``: a boolean mask of ``x``'s own shape and a number, the write that
+    ``x.masked_fill(mask, value)`` replays out of place (torchtune's ``labels[labels == -100] = 0``,
+    ``logprobs[padding] = 1.0``)."""
+    target, index, value = node.args
+    mask = val(index) if isinstance(index, torch.fx.Node) else None
+    written = val(target) if isinstance(target, torch.fx.Node) else None
+    return (
+        mask is not None and written is not None and mask.dtype == torch.bool
+        and tuple(mask.shape) == tuple(written.shape) and isinstance(value, (int, float, bool))
+    )  # fmt: skip
+
+
+def _as_call(write: torch.fx.Node) -> tuple[str, object, tuple]:
+    """``(op, target, args)`` of the out-of-place call that replays ``write``."""
+    if write.target is operator.setitem:
+        return "call_method", "masked_fill", write.args
+    return write.op, spelling(write.target).out_of_place, write.args
 
 
 def _replay(write: torch.fx.Node, memory: dict[torch.fx.Node, int]) -> bool:
@@ -100,7 +125,7 @@ def _replay(write: torch.fx.Node, memory: dict[torch.fx.Node, int]) -> bool:
         if where == written and order.get(name, -1) > here:
             memory[name] = new_memory
     memory[replacement] = new_memory
-    del memory[write]
+    memory.pop(write, None)
     write.graph.erase_node(write)
     return True
 
@@ -110,7 +135,7 @@ def _why_kept(write: torch.fx.Node, memory: dict[torch.fx.Node, int]) -> tuple[s
     string and its nodes, as ``NoMatch`` takes them), or ``None``."""
     mutated = write.args[0]
     written = memory.get(mutated)
-    if written is None or memory.get(write) != written:
+    if written is None or (write.target is not operator.setitem and memory.get(write) != written):
         return "{} writes into memory the pass cannot follow", (write,)
     order = {n: i for i, n in enumerate(write.graph.nodes)}
     here = order[write]
@@ -194,15 +219,15 @@ def _out_of_place(write: torch.fx.Node) -> torch.fx.Node | None:
     """The write's out-of-place op, after it, with its own example value; ``None`` if it would
     differ from the write in dtype or shape."""
     before = val(write.args[0])
-    target = spelling(write.target).out_of_place
-    args = map_arg(write.args, lambda n: n.meta.get("example_value", n.meta.get("val")))
+    op, target, node_args = _as_call(write)
+    args = map_arg(node_args, lambda n: n.meta.get("example_value", n.meta.get("val")))
     kwargs = map_arg(write.kwargs, lambda n: n.meta.get("example_value", n.meta.get("val")))
     fake_mode = _fake_mode(write)
     if fake_mode is None:
         return None
     try:
         with fake_mode:
-            if write.op == "call_method":
+            if op == "call_method":
                 value = getattr(args[0], target)(*args[1:], **kwargs)
             else:
                 value = target(*args, **kwargs)
@@ -211,7 +236,7 @@ def _out_of_place(write: torch.fx.Node) -> torch.fx.Node | None:
     if not isinstance(value, torch.Tensor) or value.dtype != before.dtype or value.shape != before.shape:
         return None
     with write.graph.inserting_after(write):
-        replacement = write.graph.create_node(write.op, target, write.args, write.kwargs)
+        replacement = write.graph.create_node(op, target, node_args, write.kwargs)
     replacement.meta = {**write.meta, "example_value": value}
     replacement.meta.pop("val", None)
     return replacement

@@ -16,7 +16,8 @@ import torch
 import torch.fx
 
 from tile_pass.match import _rules
-from tile_pass.match._fx import NoMatch, describe, val
+from tile_pass.match._fx import NoMatch, as_linear, describe, val
+from tile_pass.match._op_facts import spelling
 from tile_pass.match._region_match import RowRegion
 from tile_pass.plan._plan import RegionCall
 from tile_pass.program import _region
@@ -44,20 +45,73 @@ class _ProgramPrefix(torch.nn.Module):
         return restore(outputs[self.output], hidden, self.flat_tokens)
 
 
+def _grad_modes(graph: torch.fx.Graph) -> dict[torch.fx.Node, bool]:
+    """Whether each node runs with gradients enabled, as far as the graph's own
+    ``torch.no_grad()`` / ``enable_grad()`` blocks say (Dynamo records them as
+    ``torch._C._set_grad_enabled`` calls); relative to the mode the graph is called in."""
+    enabled, modes = True, {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch._C._set_grad_enabled and node.args:
+            enabled = bool(node.args[0])
+        modes[node] = enabled
+    return modes
+
+
+def _writes_in_place(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """Whether ``user`` writes ``node``'s memory in place (``x[mask] = 0``, ``x.add_(1)``)."""
+    if user.op not in ("call_function", "call_method") or not user.args or user.args[0] is not node:
+        return False
+    if user.target is operator.setitem:
+        return True
+    spelled = spelling(user.target)
+    return spelled is not None and spelled.inplace
+
+
+#: methods with no row-wise rule that are pure all the same (no write, no randomness, no sync)
+_PURE = {"expand", "clone", torch.clone}
+
+
+def _pure_projection(node: torch.fx.Node) -> bool:
+    """A projection (``F.linear``, ``h @ W.T``) or the transpose of its weight: pure ops that may
+    move (a reference model's frozen head computed after the policy's logits are read)."""
+    return _projection(node) is not None or any(
+        (linear := _projection(user)) is not None and linear[3] is node for user in node.users
+    )
+
+
+def _projection(node: torch.fx.Node):
+    try:
+        return as_linear(node)
+    except NoMatch:  # a matmul of something else
+        return None
+
+
 def _to_hoist(graph: torch.fx.Graph, nodes, point: torch.fx.Node, autocast_states) -> list[torch.fx.Node]:
     """The op's inputs defined after ``point`` (its insertion point), in an order they can be
-    moved before it: pure torch ops only, in the same autocast context as ``point``."""
+    moved before it: pure torch ops only (row-wise ops, projections), in the same autocast
+    context as ``point``, and in its grad mode unless nothing they read needs a gradient (then
+    either mode computes the same value, with no gradient)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
+    modes = _grad_modes(graph)
     moving: list[torch.fx.Node] = []
 
     def need(node):
         if not isinstance(node, torch.fx.Node) or order[node] < order[point] or node in moving:
             return
-        if _rules.rule_for(node) is None and node.target != "expand":
+        if _rules.rule_for(node) is None and node.target not in _PURE and not _pure_projection(node):
             raise NoMatch("{} is computed after the logits are first read and cannot be moved before the "
                           "tiled region; compute it before the LM head", node)  # fmt: skip
         if autocast_states.get(node, ()) != autocast_states.get(point, ()):
             raise NoMatch("{} is computed in another autocast context than the region's first reader", node)
+        if written := next((u for u in node.users if _writes_in_place(u, node)), None):
+            raise NoMatch("{} is computed after the logits are first read and written in place by {}; "
+                          "moving it before the tiled region would read it unwritten: compute it before "
+                          "the LM head", node, written)  # fmt: skip
+        needs_grad = any(getattr(val(a), "requires_grad", False) for a in node.all_input_nodes)
+        if modes[node] != modes[point] and needs_grad:
+            raise NoMatch("{} is computed in another grad mode (torch.no_grad) than the region's first "
+                          "reader, from values that need a gradient; compute it before the LM head",
+                          node)  # fmt: skip
         for arg in node.all_input_nodes:
             need(arg)
         moving.append(node)
