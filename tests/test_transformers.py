@@ -17,6 +17,16 @@ transformers.logging.set_verbosity_error()
 VOCAB = 96
 
 
+
+def _assert_step_matches(out, ref, model, oracle, step: int) -> None:
+    """One training step's loss, logits and every parameter's gradient, against the float64 oracle."""
+    assert_close_to_oracle(out.loss, ref.loss, torch.float32, f"loss step {step}")
+    assert_close_to_oracle(out.logits, ref.logits, torch.float32, f"logits step {step}")
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), oracle.named_parameters(), strict=True):
+        assert_close_to_oracle(p.grad, q.grad, torch.float32, f"step {step} grad {name}")
+
 def llama():
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -86,12 +96,7 @@ def test_training_steps_match_eager(make, with_num_items, device):
             extra["num_items_in_batch"] = (labels[:, 1:] != -100).sum() + 3  # a GA window: > this batch
         out = compiled(input_ids=ids, labels=labels, use_cache=False, **extra)
         ref = oracle(input_ids=ids, labels=labels, use_cache=False, **extra)
-        assert_close_to_oracle(out.loss, ref.loss, torch.float32, f"loss step {step}")
-        assert_close_to_oracle(out.logits, ref.logits, torch.float32, f"logits step {step}")
-        out.loss.backward()
-        ref.loss.backward()
-        for (name, p), (_, q) in zip(model.named_parameters(), oracle.named_parameters(), strict=True):
-            assert_close_to_oracle(p.grad, q.grad, torch.float32, f"step {step} grad {name}")
+        _assert_step_matches(out, ref, model, oracle, step)
         optimizer.step()
         optimizer.zero_grad()
         oracle.zero_grad()
@@ -161,12 +166,7 @@ def test_gpt2_as_built_is_tiled_across_its_logging_call(entry, device):
             ids, labels = batch(device, step)
             out = compiled(input_ids=ids, labels=labels, use_cache=False)
             ref = oracle(input_ids=ids, labels=labels, use_cache=False)
-            assert_close_to_oracle(out.loss, ref.loss, torch.float32, f"loss step {step}")
-            assert_close_to_oracle(out.logits, ref.logits, torch.float32, f"logits step {step}")
-            out.loss.backward()
-            ref.loss.backward()
-            for (name, p), (_, q) in zip(model.named_parameters(), oracle.named_parameters(), strict=True):
-                assert_close_to_oracle(p.grad, q.grad, torch.float32, f"step {step} grad {name}")
+            _assert_step_matches(out, ref, model, oracle, step)
             model.zero_grad()
             oracle.zero_grad()
     finally:
