@@ -482,7 +482,7 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
         median_s=median,
         # every timed step, sorted: the spread behind the median (this VM's steps vary by 10-20%)
         steps_s=[round(t, 4) for t in times],
-        # minor page faults of each timed step, in step order (times_in_order beside them)
+        # minor page faults of each timed step, in step order (steps_in_order_s beside them)
         faults_per_step=measured.faults,
         steps_in_order_s=[round(t, 4) for t in measured.times],
         faults_median=statistics.median(measured.faults),
