@@ -365,7 +365,10 @@ def _gemm_floor(cfg: BenchConfig) -> dict[str, Any]:
     """Each GEMM of the form's floor timed in every library available; the floor sums the fastest.
 
     tile_pass's CPU float32 tiles call oneDNN where aten would call MKL, so a floor of
-    aten's GEMMs alone would not bound them.
+    aten's GEMMs alone would not bound them. Each GEMM allocates its output, as an unsplit step
+    does: an ``[N, V]`` output is above glibc's 32 MiB mmap ceiling and faulted in on every call
+    (``faults_median``), which a tiled step's heap-sized tiles do not pay, so a tiled step can
+    read below 1x the floor.
     """
     device = torch.device(cfg.device)
     names, libraries = _floor_operands(cfg)
