@@ -20,7 +20,11 @@ START, END = "<!-- pipeline table: scripts/pipeline_table.py --write -->", "<!--
 
 #: the rows in pipeline order: a phase folder (its modules listed), or a label and top-level modules
 TOP_LEVEL: list[tuple[str, tuple[str, ...]]] = [
-    ("entry points", ("dynamo_backend", "decorator", "functional", "_textbook", "_options", "__main__")),
+    (
+        "entry points",
+        ("dynamo_backend", "_compile", "_logging_calls", "decorator", "functional", "_textbook", "_options",
+         "__main__"),
+    ),
     ("driver", ("rewrite",)),
     ("match", ()),
     ("program", ()),

@@ -268,7 +268,9 @@ def test_generate_on_a_compiled_model():
     got = model.generate(prompt, max_new_tokens=3, do_sample=False)
     assert torch.equal(got, expected)
     rep = report(model)
-    assert rep.graphs and not rep.rewrites and not rep.skipped  # no labels: nothing to tile
+    assert rep.graphs and not rep.rewrites  # no labels: nothing to tile
+    # each graph's head is accounted for: its logits leave the graph whole, and the report says so
+    assert all("leaves graph" in skip.reason for skip in rep.skipped), str(rep)
     assert any("generation" in hint for hint in rep.hints), rep.hints
 
 

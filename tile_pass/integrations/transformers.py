@@ -36,6 +36,7 @@ from tile_pass.dynamo_backend import Backend
 from tile_pass.integrations import _trl_heads
 from tile_pass.integrations._forward import forward_chain, model_of
 from tile_pass.report import Report
+from tile_pass.rewrite import LEFT_WHOLE
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +125,11 @@ def report(obj, backend: Backend | None = None) -> Report:
     trl_hint = _trl_heads.fused_lm_head_hint(obj)
     if trl_hint:
         hints.append(trl_hint)
-    elif not result.rewrites and not result.skipped:
+    elif not result.rewrites and all(LEFT_WHOLE in skip.reason for skip in result.skipped):
         hints.append(
             "the model's forward is not TRL's fused head; no compiled graph had a projection reaching a "
-            "cross_entropy (generation and evaluation without labels have none; a loss computed outside "
-            "the compiled forward is not seen)"
+            "cross_entropy (generation and evaluation without labels have none: their logits leave the "
+            "graph whole; a loss computed outside the compiled forward is not seen)"
         )
     if any("_convert_to_fp32" in skip.reason for skip in result.skipped):
         hints.append(
