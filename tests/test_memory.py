@@ -121,8 +121,9 @@ def test_measured_peak_memory_drops_by_the_logits():
     assert tiled["peak_mib"] < plain["logits_mib"] / 3, (plain, tiled)
 
     # the report's figure: aot_eager's backward holds the saved log-probabilities, nll_loss's
-    # gradient and the logits gradient at once (3 x 500 MiB); the tiles hold their buffers instead.
-    # Measured 2.5% below it (other small buffers of the two steps); 5% is the tolerance
+    # gradient and the logits gradient at once (3 x 500 MiB); the tiles hold their buffers instead,
+    # and the weight's and hidden states' gradients, formed during the loop (after an unfused
+    # step's peak). Measured 2.9% below it (other small buffers of the two steps); 5% is the tolerance
     h = torch.randn(4096, 256, requires_grad=True)
     w = torch.randn(32000, 256, requires_grad=True)
     y = torch.randint(0, 32000, (4096,))
@@ -132,7 +133,8 @@ def test_measured_peak_memory_drops_by_the_logits():
     sizes = rewrite.logits_bytes
     assert sizes["logits"] == sizes["saved_log_probs"] == sizes["loss_grad"] == 4096 * 32000 * 4
     predicted = rewrite.peak_bytes_avoided["unfused"] / 2**20
-    assert predicted == 3 * 500 - rewrite.tile_buffer_bytes / 2**20
+    assert predicted == 3 * 500 - (rewrite.tile_buffer_bytes + rewrite.grad_buffer_bytes) / 2**20
+    assert rewrite.grad_buffer_bytes == 32000 * 256 * 4 + 4096 * 256 * 4  # dW's float32 sum, dh
     measured = plain["peak_mib"] - tiled["peak_mib"]
     print(f"peak drop measured {measured:.1f} MiB, reported {predicted:.1f} MiB")
     assert abs(measured - predicted) < 0.05 * predicted, (measured, predicted, plain, tiled)

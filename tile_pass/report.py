@@ -38,7 +38,7 @@ _FORWARD, _BACKWARD = ("logits", "float32_upcast", "saved_log_probs"), ("logits_
 
 
 def logits_bytes_fields(
-    elements, itemsize: int, kept, tile_buffer: int, plain, *, backward: bool = True
+    elements, itemsize: int, kept, tile_buffer: int, plain, *, backward: bool = True, grad_buffer=0
 ) -> dict[str, Any]:
     """The byte figures of a :class:`Rewrite` whose logits have ``elements`` elements of
     ``itemsize`` bytes (``kept``: bytes of them the graph returns, ``tile_buffer``: the bytes of
@@ -46,7 +46,9 @@ def logits_bytes_fields(
     report form). The model is the cross entropy's (a row-wise program of other ops makes
     others): every float32 tensor is float64 for a float64 model. Without a ``backward`` (no
     output needs a gradient: ``torch.no_grad()``, a reference model's log-probabilities) no
-    gradient exists to avoid, and an unfused step peaks in forward instead."""
+    gradient exists to avoid, and an unfused step peaks in forward instead. ``grad_buffer``: the
+    gradients the tiles form while their buffers live (the weight's sum, the hidden states'),
+    which an unfused backward forms only after its peak, so they count against the unfused drop."""
     wide = 8 if itemsize == 8 else 4  # what the loss computes in
     half = itemsize < 4
     tensors = {
@@ -71,10 +73,11 @@ def logits_bytes_fields(
         "backward_bytes_avoided": plain(tensors["logits_grad"] + tensors["logits_grad_cast"]),
         "logits_bytes": {key: plain(value) for key, value in tensors.items()},
         "tile_buffer_bytes": plain(tile_buffer),
+        "grad_buffer_bytes": plain(grad_buffer if backward else 0),
         # Inductor fuses the loss into one [N, V] buffer in the model dtype: the logits, their
         # gradient stored over them (measured without returned logits, which it cannot overwrite)
         "peak_bytes_avoided": {
-            "unfused": plain(unfused - tile_buffer),
+            "unfused": plain(unfused - tile_buffer - (grad_buffer if backward else 0)),
             "inductor": plain(tensors["logits"] - tile_buffer),
         },
     }
@@ -93,10 +96,10 @@ class Rewrite:
     peak should drop by against the same step compiled without tile_pass: ``"unfused"`` with an
     inner compiler that runs the ops as they are (eager, aot_eager: their backward holds the
     saved log-probabilities, the loss's gradient and the logits gradient at once, less the
-    tiles' buffers; ``tests/test_memory.py`` measures it), ``"inductor"`` with Inductor, which
-    fuses the loss and holds one model-dtype ``[N, V]`` buffer, less the tiles' buffers (measured
-    within 0.1% in float32 and 8% in bfloat16, where tile_pass's float32 weight-gradient sum is
-    the rest, at N=4096, V=32000, H=256, without returned logits).
+    tiles' buffers and ``grad_buffer_bytes``; ``tests/test_memory.py`` measures it),
+    ``"inductor"`` with Inductor, which fuses the loss and holds one model-dtype ``[N, V]``
+    buffer, less the tiles' buffers (measured within 0.1% in float32 and 8% in bfloat16, where
+    tile_pass's float32 weight-gradient sum is the rest, at N=4096, V=32000, H=256, without returned logits).
     """
 
     graph: int
@@ -123,6 +126,9 @@ class Rewrite:
     #: bytes of each [N, V] tensor an unfused step makes (keys: LOGITS_TENSORS)
     logits_bytes: dict[str, int | str] = field(default_factory=dict)
     tile_buffer_bytes: int | str = 0
+    #: the gradients the tiles form during the loop (weight-gradient sum, hidden states'), alive at
+    #: the tiled step's peak where an unfused step forms them after its own
+    grad_buffer_bytes: int | str = 0
     #: what the step's peak should drop by: {"unfused": ..., "inductor": ...} (see above)
     peak_bytes_avoided: dict[str, int | str] = field(default_factory=dict)
     #: whether a backward runs through the region (False when no output needs a gradient, as
@@ -198,6 +204,8 @@ class Rewrite:
             "step's (eager, aot_eager: saved log-probabilities, "
             f"{loss_grad} and logits gradient at once in backward), net of the tiles' "
             f"{_fmt_bytes(self.tile_buffer_bytes)}"
+            + (f" and of the gradients they form meanwhile ({_fmt_bytes(self.grad_buffer_bytes)}, "
+               "formed after an unfused step's peak)" if self.grad_buffer_bytes else "")
         )
 
 

@@ -376,7 +376,8 @@ def _rewritten(
         tile_tokens=tile_plan.tile,
         num_tiles=_plain((num_tokens + tile_plan.tile - 1) // tile_plan.tile),
         **logits_bytes_fields(
-            num_tokens * vocab, dtype.itemsize, kept, tile_plan.tile_bytes, _plain, backward=backward
+            num_tokens * vocab, dtype.itemsize, kept, tile_plan.tile_bytes, _plain, backward=backward,
+            grad_buffer=_gradients_formed(region, tile_plan, tokens, shape, dtype),
         ),
         returned_logits=splice.returned_logits,
         returned_logits_bytes=_plain(kept),
@@ -388,6 +389,18 @@ def _rewritten(
         backward=backward,
         loss_grad_ops=_loss_grad_ops(region.program),
     )
+
+
+def _gradients_formed(region, tile_plan, num_tokens, head_shape, dtype):
+    """Bytes of the gradients the tile loop forms while its buffers live: the weight's sum under
+    its schedule and the hidden states' (one row a token), where they need one."""
+    weight, hidden = val(region.weight), val(region.hidden)
+    held = 0
+    if weight is not None and weight.requires_grad:
+        held += _weight_grad.bytes_per_weight(tile_plan.schedule, dtype) * head_shape[0] * head_shape[1]
+    if hidden is not None and hidden.requires_grad:
+        held += num_tokens * head_shape[1] * hidden.dtype.itemsize
+    return held
 
 
 def _loss_grad_ops(program) -> str:
