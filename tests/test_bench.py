@@ -300,3 +300,22 @@ def test_host_overhead_rows_time_both_backends_per_tile_count(capsys):
     assert {(p.rows, p.num_tiles) for p in plans} == {(64, 1), (64, 2)}  # the tiles asked for ran
     text = _bench_host.format_rows(rows)
     assert "per additional tile:" in text and text.count("\n") == 4
+
+
+def test_distill_with_a_trained_teacher_is_one_region_against_six_gemms():
+    """Two trained heads (``distill_trained``): one region whose tiles form both heads' gradients,
+    exact against float64 (the teacher's hidden states and weight included), and a floor of six
+    GEMMs per token: each head's logits, hidden-state and weight gradients."""
+    rows = bench.run_benchmark(
+        [SHAPE], ("tile_pass",), repeats=1, warm_cache=True, timeout=300, forms=("distill_trained",),
+        inner="aot_eager",
+    )  # fmt: skip
+    by = {r["impl"]: r for r in rows}
+    assert len(by[bench.FLOOR]["gemms"]) == 6, by[bench.FLOOR]["gemms"]
+    tiled = by["tile_pass"]
+    assert "error" not in tiled, tiled
+    report = tiled["report"]  # the report's text
+    assert tiled["fired"] and not tiled["skipped"] and report.count("REWRITTEN") == 1, report
+    assert "head 2 (hidden @ W.T" in report and "teacher = ht @ wt.t(), trained)" in report, report
+    assert "kl_div's gradient" in report and "nll_loss" not in report, report  # the JSD's own loss op
+    assert tiled["exact"] is True and max(tiled["err_dh"], tiled["err_dw"], tiled["err_dextra"]) < 1e-4, tiled

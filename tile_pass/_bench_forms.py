@@ -13,7 +13,9 @@ masked sum per sequence), the cross entropy on the chosen half only, and the sig
 of the margin against given reference log-probabilities. ``distill``: a student head and a
 frozen teacher head (its own hidden states, a different hidden size, same vocabulary), the
 generalized Jensen-Shannon divergence (beta 0.5) between their log-softmaxes at temperature
-2, averaged over the labelled tokens.
+2, averaged over the labelled tokens. ``distill_trained``: the same loss code with a teacher
+that learns too (its hidden states and weight require grad): two trained heads, six GEMMs per
+token at the floor.
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ def distill(hidden, weight, labels, teacher_hidden, teacher_weight):
     return per_token.sum() / (labels != IGNORE_INDEX).sum()
 
 
-FORMS: dict[str, Callable] = {"dpo": dpo, "distill": distill}
+FORMS: dict[str, Callable] = {"dpo": dpo, "distill": distill, "distill_trained": distill}
+#: the forms with a teacher head (its hidden states and weight are the form's extra inputs)
+TEACHER_FORMS = ("distill", "distill_trained")
 
 
 def dpo_sequence(tokens: int) -> int:
@@ -123,11 +127,12 @@ def form_inputs(form: str, hidden, weight, labels) -> tuple[torch.Tensor, ...]:
         expected = -(y != IGNORE_INDEX).sum(-1).cpu().double() * (math.log(vocab) + 0.5)
         ref = (expected + 10 * torch.randn(2 * pairs, generator=gen, dtype=torch.float64)).to(device, dtype)
         return bias.to(device, dtype).requires_grad_(), ref[:pairs], ref[pairs:]
-    if form == "distill":
+    if form in TEACHER_FORMS:
         teacher_width = round(width * TEACHER_WIDTH)
         teacher_hidden = torch.randn(hidden.shape[0], teacher_width, generator=gen)
         teacher_weight = torch.randn(vocab, teacher_width, generator=gen) * (2.0 / teacher_width**0.5)
-        return teacher_hidden.to(device, dtype), teacher_weight.to(device, dtype)
+        teacher = teacher_hidden.to(device, dtype), teacher_weight.to(device, dtype)
+        return tuple(t.requires_grad_() for t in teacher) if form == "distill_trained" else teacher
     raise ValueError(f"unknown form {form!r}; choose from {', '.join(FORMS)}")
 
 
@@ -165,7 +170,7 @@ def chunks(form: str, hidden, weight, labels, *extra, chunk_tokens: int | None =
             rows += (torch.cat([y[i:j], y[pairs + i : pairs + j]]), ref_chosen[i:j], ref_rejected[i:j])
             yield _dpo_chunk, (*rows, chosen_tokens, pairs)
         return
-    if form == "distill":
+    if form in TEACHER_FORMS:
         teacher_hidden, teacher_weight = extra
         valid_tokens = (labels != IGNORE_INDEX).sum()
         for i in range(0, labels.shape[0], chunk_tokens):
@@ -220,10 +225,14 @@ def float64_reference(form: str, hidden, weight, labels, extra, chunk_tokens: in
 def floor_gemms(form: str, hidden, weight, grad_logits, extra) -> list[tuple[str, torch.Tensor, Any]]:
     """The GEMMs ``form``'s step cannot avoid, as ``(name, a, b)`` for ``a @ b``: the logits,
     the hidden-state gradient and the weight gradient of the trained head (the bias gradient is
-    a column sum, not a GEMM), and for ``distill`` the frozen teacher's logits (forward only)."""
+    a column sum, not a GEMM), and for ``distill`` the frozen teacher's logits (forward only);
+    ``distill_trained``'s teacher learns too: its logits and both its gradients (six in all)."""
     gemms = [("h @ W.T", hidden, weight.T), ("dlogits @ W", grad_logits, weight),
              ("dlogits.T @ h", grad_logits.T, hidden)]  # fmt: skip
-    if form == "distill":
+    if form in TEACHER_FORMS:
         teacher_hidden, teacher_weight = extra
         gemms.append(("teacher h @ W.T", teacher_hidden, teacher_weight.T))
+    if form == "distill_trained":
+        gemms += [("teacher dlogits @ W", grad_logits, teacher_weight),
+                  ("teacher dlogits.T @ h", grad_logits.T, teacher_hidden)]  # fmt: skip
     return gemms

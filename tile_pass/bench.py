@@ -607,7 +607,8 @@ def estimated_peak_bytes(cfg: BenchConfig) -> int:
 _OWN_FORM_COPIES = {
     ("eager", "dpo"): 6, ("inductor", "dpo"): 4, ("chunked", "dpo"): 8,
     ("eager", "distill"): 12, ("inductor", "distill"): 8, ("chunked", "distill"): 16,
-    ("gemm_floor", "dpo"): 2, ("gemm_floor", "distill"): 2,
+    ("eager", "distill_trained"): 14, ("inductor", "distill_trained"): 10, ("chunked", "distill_trained"): 18,
+    ("gemm_floor", "dpo"): 2, ("gemm_floor", "distill"): 2, ("gemm_floor", "distill_trained"): 2,
 }  # fmt: skip
 
 
@@ -617,7 +618,8 @@ def _own_form_peak_bytes(cfg: BenchConfig, itemsize: int) -> int:
     row_bytes = cfg.vocab * max(itemsize, 4)
     rows = min(cfg.tokens, _bench_forms.CHUNK_TOKENS) if cfg.impl == "chunked" else cfg.tokens
     logits = _OWN_FORM_COPIES.get((cfg.impl, cfg.form), 0.5) * rows * row_bytes
-    width = cfg.hidden + (round(cfg.hidden * _bench_forms.TEACHER_WIDTH) if cfg.form == "distill" else 0)
+    teacher = cfg.form in _bench_forms.TEACHER_FORMS
+    width = cfg.hidden + (round(cfg.hidden * _bench_forms.TEACHER_WIDTH) if teacher else 0)
     params = (cfg.tokens + cfg.vocab) * width * (2 * itemsize + (16 if cfg.check else 0))
     check = 16 * _bench_forms.CHUNK_TOKENS * cfg.vocab * 8 if cfg.check else 0
     return int(logits + params + check + 1024 * MiB)

@@ -406,13 +406,14 @@ def _gradients_formed(region, tile_plan, num_tokens, head_shape, dtype):
 def _loss_grad_ops(program) -> str:
     """The ops that turn each row of ``[N, V]`` values into per-token values, whose ``[N, V]``
     input gradient an unfused backward makes (a cross entropy's is ``nll_loss``'s)."""
-    kinds = {
-        step.target: facts.kind for step in program.steps if (facts := facts_for(step.target)) is not None
-    }
-    if RuleKind.LOSS in kinds.values():
-        return "nll_loss"
+    facts = {step.target: found for step in program.steps if (found := facts_for(step.target)) is not None}
+    losses = {"nll_loss" if f.key in ("cross_entropy", "nll_loss") else f.key: None
+              for f in facts.values() if f.kind is RuleKind.LOSS}  # fmt: skip
+    if losses:  # a cross entropy's is nll_loss's; a KL's, kl_div's
+        return " and ".join(losses)
+    reads = (RuleKind.GATHER, RuleKind.VOCAB_REDUCTION)
     names = {Step.describe(step): None for step in program.steps
-             if kinds.get(step.target) in (RuleKind.GATHER, RuleKind.VOCAB_REDUCTION)}  # fmt: skip
+             if step.target in facts and facts[step.target].kind in reads}  # fmt: skip
     return " and ".join(names) or "the loss"
 
 
