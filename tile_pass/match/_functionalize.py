@@ -111,7 +111,7 @@ def _replay(write: torch.fx.Node, memory: dict[torch.fx.Node, int]) -> bool:
     replacement = _out_of_place(write) if why is None else None
     if replacement is None:
         write.meta[KEPT_IN_PLACE] = why or (
-            "{} would give another dtype or shape out of place than it writes in place", (write,)
+            "{} has no out-of-place form the pass can prove of the same dtype and shape", (write,)
         )
         return False
     mutated, order = write.args[0], {n: i for i, n in enumerate(write.graph.nodes)}
