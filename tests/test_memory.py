@@ -110,6 +110,11 @@ def _measure(cfg: BenchConfig) -> dict:
     return row
 
 
+def _gradients_mib(tokens: int, hidden: int, vocab: int) -> float:
+    """The float32 weight and hidden-state gradients one step returns, in MiB."""
+    return (vocab + tokens) * hidden * 4 / 2**20
+
+
 def test_measured_peak_memory_drops_by_the_logits():
     """One training step in a fresh process: N=4096, H=256, V=32000 fp32 (logits 500 MiB); the
     drop is the one ``explain`` reports for an unfused inner compiler, within 5%."""
@@ -118,7 +123,9 @@ def test_measured_peak_memory_drops_by_the_logits():
     tiled = _measure(BenchConfig(impl="tile_pass", tile_bytes=64 * 2**20, **shape))
     assert abs(plain["loss"] - tiled["loss"]) < 1e-4 * abs(plain["loss"])
     assert plain["peak_mib"] > 2 * plain["logits_mib"]
-    assert tiled["peak_mib"] < plain["logits_mib"] / 3, (plain, tiled)
+    # the step's own gradients (dW, dh: 35 MiB) are part of its measured peak (the bench drops the
+    # previous step's before the peak step, since 07e1118): a third of the logits besides them
+    assert tiled["peak_mib"] < plain["logits_mib"] / 3 + _gradients_mib(4096, 256, 32000), (plain, tiled)
 
     # the report's figure: aot_eager's backward holds the saved log-probabilities, nll_loss's
     # gradient and the logits gradient at once (3 x 500 MiB); the tiles hold their buffers instead,
@@ -192,5 +199,5 @@ def test_measured_peak_memory_of_multi_read_forms_is_flat_in_tokens(form):
     doubled = _measure(BenchConfig(impl="tile_pass", tile_bytes=64 * 2**20, tokens=8192, **shape))
     logits_mib = tiled["logits_mib"]
     assert tiled["fired"] and doubled["fired"], (tiled, doubled)
-    assert tiled["peak_mib"] < logits_mib / 3, tiled
+    assert tiled["peak_mib"] < logits_mib / 3 + _gradients_mib(4096, 256, 32000), tiled  # as above
     assert doubled["peak_mib"] - tiled["peak_mib"] < logits_mib / 4, (tiled, doubled)
