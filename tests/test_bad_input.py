@@ -596,3 +596,28 @@ def test_explain_still_raises_an_error_the_pass_did_not_skip_for():
     h, w, y = _int32_labels()
     with pytest.raises(RuntimeError, match="size"):
         tile_pass.explain(broken, h, w, y.long())
+
+
+@pytest.mark.parametrize("smoothing", [-0.1, float("nan")], ids=["negative", "nan"])
+def test_label_smoothing_eager_takes_as_none_is_tiled_and_exact(smoothing):
+    """Eager smooths only above 0: a negative or NaN ``label_smoothing`` is a plain cross entropy
+    there (it raises only above 1), and the rewrite tiles it as that, not as eager's error."""
+
+    def loss(h, w, y):
+        return F.cross_entropy(h @ w.T, y, label_smoothing=smoothing)
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(12, 8, generator=g), torch.randn(20, 8, generator=g)
+    y = torch.randint(0, 20, (12,), generator=g)
+    backend = tile_pass.backend("aot_eager", tile_tokens=5, strict=True)
+    hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
+    got = torch.compile(loss, backend=backend)(hc, wc, y)
+    got.backward()
+    report = backend.report()
+    assert len(report.rewrites) == 1 and not report.skipped, str(report)
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    expected = F.cross_entropy(h64 @ w64.T, y)  # no smoothing
+    expected.backward()
+    torch.testing.assert_close(got.double(), expected.detach(), rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(hc.grad.double(), h64.grad, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(wc.grad.double(), w64.grad, rtol=2e-5, atol=2e-6)

@@ -539,11 +539,11 @@ def _loss(matcher, node: torch.fx.Node) -> list[Classified]:
     weight = options.get("weight")
     kwargs = [("ignore_index", options["ignore_index"]), ("reduction", "none")]
     if node.target is F.cross_entropy:
-        kwargs.append(("label_smoothing", float(options["label_smoothing"])))
-        if not 0.0 <= options["label_smoothing"] <= 1.0:
-            raise NoMatch(
-                "label_smoothing is outside [0, 1]; eager raises for it", node=node, eager_raises=True
-            )
+        smoothing = float(options["label_smoothing"])
+        if smoothing > 1.0:
+            raise NoMatch("label_smoothing is above 1; eager raises for it", node=node, eager_raises=True)
+        # eager smooths only above 0: a negative or NaN value is no smoothing, as it is here
+        kwargs.append(("label_smoothing", smoothing if smoothing > 0.0 else 0.0))
     if weight is not None:
         weight_val = val(weight)
         if weight_val is None or weight_val.dim() != 1 or not same(weight_val.shape[0], matcher.vocab):
