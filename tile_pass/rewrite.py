@@ -27,7 +27,7 @@ from tile_pass._options import TileOptions
 from tile_pass.match import _region_match, _rules
 from tile_pass.match._fold_loops import fold_row_loops
 from tile_pass.match._functionalize import functionalize_writes
-from tile_pass.match._fx import NoMatch, as_linear, describe, same, val
+from tile_pass.match._fx import NoMatch, as_linear, describe, projection_of, same, val
 from tile_pass.match._op_facts import RuleKind, facts_for, spelling
 from tile_pass.match._rules import LOSS_SIGNATURES, bind
 from tile_pass.plan import _weight_grad
@@ -255,10 +255,7 @@ def _row_wise_root(node) -> torch.fx.Node | None:
 def _returned_whole(node: torch.fx.Node) -> torch.Tensor | None:
     """The output of ``node``, a projection to more features than it reads (a vocabulary), if the
     graph returns it (or a view or cast of it with the same rows) whole; else ``None``."""
-    try:
-        linear = as_linear(node) if node.op in ("call_function", "call_method") else None
-    except NoMatch:
-        return None
+    linear = projection_of(node) if node.op in ("call_function", "call_method") else None
     out, weight = val(node), val(linear[1]) if linear is not None else None
     if out is None or weight is None or weight.dim() != 2:
         return None

@@ -163,6 +163,14 @@ def as_linear(node: torch.fx.Node):
     return None
 
 
+def projection_of(node: torch.fx.Node):
+    """:func:`as_linear`'s answer, or ``None`` for a matmul of something else (no 2-D weight)."""
+    try:
+        return as_linear(node)
+    except NoMatch:
+        return None
+
+
 def leading_index(node: torch.fx.Node, ndim: int) -> tuple | None:
     """The index of ``x[index]`` made explicit, if it only selects leading (token) dims."""
     if node.op != "call_function" or node.target is not operator.getitem:

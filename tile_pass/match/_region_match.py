@@ -36,7 +36,16 @@ import torch.nn.functional as F
 
 from tile_pass._logging import log
 from tile_pass.match import _fx, _rules
-from tile_pass.match._fx import NoMatch, as_linear, describe, leading_index, same, same_shape, val
+from tile_pass.match._fx import (
+    NoMatch,
+    as_linear,
+    describe,
+    leading_index,
+    projection_of,
+    same,
+    same_shape,
+    val,
+)
 from tile_pass.match._op_facts import FACTS, Linear, Selects, facts_for, spelling
 from tile_pass.match._rules import PREVIOUS_STEP, AfterTiles, Classified, RuleKind, Shape
 from tile_pass.program import _region
@@ -619,10 +628,7 @@ class RegionMatcher:
         for node in self.graph.nodes:
             if node in mine or node in self.excluded or node.op not in ("call_function", "call_method"):
                 continue
-            try:
-                linear = as_linear(node)
-            except NoMatch:
-                continue
+            linear = projection_of(node)
             out = val(node)
             if linear is None or out is None or not same(out.shape[-1], self.vocab):
                 continue
@@ -1004,10 +1010,7 @@ def match_row_region(
     graph: torch.fx.Graph, projection: torch.fx.Node, autocast_states=None, drop_rows: bool = False
 ) -> RowRegion | None:
     """The row-wise region of ``projection``; None if it is not an LM head's; raises ``NoMatch``."""
-    try:
-        linear = as_linear(projection)
-    except NoMatch:
-        return None
+    linear = projection_of(projection)
     if linear is None:
         return None
     states = autocast_states or _autocast_states(graph)

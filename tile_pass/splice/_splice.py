@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from tile_pass.match import _rules
-from tile_pass.match._fx import NoMatch, as_linear, describe, val
+from tile_pass.match._fx import NoMatch, describe, projection_of, val
 from tile_pass.match._op_facts import spelling
 from tile_pass.match._region_match import RowRegion
 from tile_pass.plan._plan import RegionCall
@@ -74,16 +74,9 @@ _PURE = {"expand", "clone", torch.clone}
 def _pure_projection(node: torch.fx.Node) -> bool:
     """A projection (``F.linear``, ``h @ W.T``) or the transpose of its weight: pure ops that may
     move (a reference model's frozen head computed after the policy's logits are read)."""
-    return _projection(node) is not None or any(
-        (linear := _projection(user)) is not None and linear[3] is node for user in node.users
+    return projection_of(node) is not None or any(
+        (linear := projection_of(user)) is not None and linear[3] is node for user in node.users
     )
-
-
-def _projection(node: torch.fx.Node):
-    try:
-        return as_linear(node)
-    except NoMatch:  # a matmul of something else
-        return None
 
 
 def _to_hoist(graph: torch.fx.Graph, nodes, point: torch.fx.Node, autocast_states) -> list[torch.fx.Node]:
