@@ -196,15 +196,15 @@ def _modules():
     import tile_pass
 
     names = ("tiles._tile_kernel", "tiles._tile_passes", "plan._tiling", "plan._weight_grad",
-             "tiles._split_sum_cpu", "tiles.tiled_region", "plan._plan")  # fmt: skip
+             "tiles._split_sum_cpu", "tiles.tiled_region", "tiles._tile_function", "plan._plan")  # fmt: skip
     return tile_pass, {name.split(".")[-1]: importlib.import_module(f"tile_pass.{name}") for name in names}
 
 
 def _need(args) -> list[bool]:
-    """A region op's ``need`` flags for ``args`` (``(..., hidden, weight, bias, token_inputs,
-    row_inputs)``): the hidden states, the weight and the bias where there is one."""
-    _, _, bias, token_inputs, row_inputs = args[-5:]
-    return [True, True, bias is not None] + [False] * (len(token_inputs) + len(row_inputs))
+    """A region op's ``need`` flags for ``args`` (``(..., hidden, weight, bias, operands)``): the
+    hidden states, the weight and the bias where there is one."""
+    _, _, bias, operands = args[-4:]
+    return [True, True, bias is not None] + [False] * len(operands)
 
 
 def _call(node):
@@ -274,7 +274,7 @@ def _recorded_inductor():
     patches = [mock.patch("torch._inductor.compile_fx.compile_fx", compile_fx)]
     patches += [
         mock.patch.object(m[name], "finish_tile_graph", finish_with_fake_examples)
-        for name in ("_tile_passes", "tiled_region")
+        for name in ("_tile_passes", "_tile_function")
     ]
     tile_pass.clear_caches()
     with contextlib.ExitStack() as stack:
@@ -545,7 +545,7 @@ def _check_row_region_rewrite(dtype, form, compiled):
     _assert_fake_cuda(w.grad, (V, H), dtype, "weight gradient")
 
     keys, calls = [], []
-    program_kernel, row_region = region_op._program_kernel, region_op._row_region._init_fn
+    program_kernel, row_region = m["_tile_function"].tile_kernel, region_op._row_region._init_fn
 
     def spy_kernel(key):
         keys.append(key)
@@ -556,7 +556,7 @@ def _check_row_region_rewrite(dtype, form, compiled):
         return row_region(*args, **kwargs)
 
     context = _recorded_inductor() if compiled else contextlib.nullcontext([])
-    spies = mock.patch.object(region_op, "_program_kernel", spy_kernel)
+    spies = mock.patch.object(m["_tile_function"], "tile_kernel", spy_kernel)
     with context as handed, _implementations(), spies, mode:
         with mock.patch.object(region_op, "_row_region", spy_region):
             out = gm(h, w, y)
@@ -565,12 +565,12 @@ def _check_row_region_rewrite(dtype, form, compiled):
         else:
             _assert_fake_cuda(out[0], (B, T), dtype, "log-probabilities from the tile loop")
             ((args, kwargs),) = calls
-            hidden, weight, bias, token_inputs, row_inputs = args
+            hidden, weight, bias, operands = args
             tangents = [torch.ones(N, dtype=dtype, device=CUDA)]
             grads = region_op._row_region_backward(  # its implementation, by _implementations
-                tangents, hidden, weight, bias, token_inputs, row_inputs, **kwargs, need=_need(args)
+                tangents, hidden, weight, bias, operands, **kwargs, need=_need(args)
             )
-            _assert_fake_cuda(grads[0], (N, H), dtype, "row_region_backward: hidden gradient")
+            _assert_fake_cuda(grads[0], tuple(hidden.shape), dtype, "row_region_backward: hidden gradient")
             _assert_fake_cuda(grads[1], (V, H), dtype, "row_region_backward: weight gradient")
         traced = make_fx(gm, tracing_mode="fake")(h, w, y)
     _assert_no_host_sync(traced, f"{form} region")
@@ -578,7 +578,7 @@ def _check_row_region_rewrite(dtype, form, compiled):
         _assert_middles_for_cuda(handed, f"{form} region")
     assert keys and {k.device.type for k in keys} == {"cuda"}
     assert not any(k.onednn for k in keys) and {k.compiled for k in keys} == {compiled}
-    differentiated = [k for k in keys if k.need_weight]
+    differentiated = [k for k in keys if k.need.weight]
     assert differentiated, "no tile function formed the weight gradient"
     assert {k.weight_grad.value for k in differentiated} == {
         "split" if dtype == torch.bfloat16 else "float32"
@@ -628,8 +628,8 @@ def _check_tile_kernel(dtype, schedule, variant, compiled):
     inputs."""
     _quiet()
     _, m = _modules()
-    region_op = m["tiled_region"]
     from tile_pass.program import _region
+    from tile_pass.program._operands import RegionOperands
     from tile_pass.tiles import _tile_buffers
     from tile_pass.tiles._tile_passes import compiled_middle, onednn_gemms, split_accumulation
 
@@ -641,17 +641,19 @@ def _check_tile_kernel(dtype, schedule, variant, compiled):
         fn, inputs = _linear_ce, [((2, 48, H), dtype), ((V, H), dtype)]
     program = _region.lookup(_captured_program(fn, [*inputs, ((2, 48), V)]))
     key = m["_tile_kernel"].TileKernelKey(
-        program=program.key, tile=T, hidden_size=H, vocab_size=V, hidden_dtype=dtype, weight_dtype=dtype,
-        bias_dtype=dtype if bias else None, token_inputs=(((), torch.int64),), row_inputs=(),
+        program=program.key, tile=T, vocab_size=V,
+        operands=RegionOperands(
+            ((H,), dtype), ((V, H), dtype), ((V,), dtype) if bias else None, (((), torch.int64),)
+        ),
         tangents=tuple(i for i, out in enumerate(program.outputs) if out.differentiable), device=CUDA,
-        need_hidden=True, need_weight=True, need_bias=bias, acc_dtype=torch.float32, compiled=compiled,
+        need=RegionOperands(True, True, bias, (False,)), acc_dtype=torch.float32, compiled=compiled,
         onednn=onednn_gemms.onednn_gemms_apply(CUDA),
         weight_grad=m["_weight_grad"].WeightGradSchedule("float32" if schedule == "sum" else schedule),
     )  # fmt: skip
     assert key.onednn is False
     context = _recorded_inductor() if compiled else contextlib.nullcontext([])
     with context as handed:
-        kernel = region_op._program_kernel(key)
+        kernel = m["_tile_function"].tile_kernel(key)
         graphs = [g for g in kernel.modules() if isinstance(g, torch.fx.GraphModule)]
         targets = {n.target for g in graphs for n in g.graph.nodes}
         cpu_only = {_tile_buffers.mm, _tile_buffers.addmm, _tile_buffers.fresh_mm, onednn_gemms._onednn_mm}
@@ -674,7 +676,7 @@ def _check_tile_kernel(dtype, schedule, variant, compiled):
             assert type(kernel.submod_1).__name__ == "Compiled"
             _assert_middles_for_cuda(handed, "tile middle")
         with _fake_mode():
-            inputs = _fake_inputs(region_op._input_spec(key, program), V, torch.zeros)
+            inputs = _fake_inputs(m["_tile_function"]._input_spec(key, program), V, torch.zeros)
             if schedule == "split":  # the planes of a fresh sum, as the tile loop makes them
                 inputs = inputs._replace(weight_grad_sum=m["_weight_grad"].unwritten_planes((V, H), CUDA))
             result = list(kernel(*inputs.flat()))
@@ -701,32 +703,35 @@ def _capture_z_loss_program(dtype):
 
 
 def _check_program_kernel(dtype, compiled):
-    """``tiled_region._program_kernel`` for a cuda key: the region's row program traced and
+    """``_tile_function.tile_kernel`` for a cuda key: the region's row program traced and
     differentiated on fake cuda tensors, and run on fake cuda inputs."""
     _quiet()
     _, m = _modules()
-    region_op = m["tiled_region"]
     from tile_pass.program import _region
+    from tile_pass.program._operands import RegionOperands
 
     program = _region.lookup(_capture_z_loss_program(dtype))
     T, H = 64, 32
     split = dtype == torch.bfloat16
     schedule = m["_weight_grad"].WeightGradSchedule
+    tokens = (((), torch.int64),) * len(program.token_layouts)
     key = m["_tile_kernel"].TileKernelKey(
-        program=program.key, tile=T, hidden_size=H, vocab_size=program.vocab_size, hidden_dtype=dtype,
-        weight_dtype=dtype, bias_dtype=None, token_inputs=(((), torch.int64),) * len(program.token_layouts),
-        row_inputs=(), tangents=tuple(i for i, out in enumerate(program.outputs) if out.differentiable),
-        device=CUDA, need_hidden=True, need_weight=True, need_bias=False, acc_dtype=torch.float32,
+        program=program.key, tile=T, vocab_size=program.vocab_size,
+        operands=RegionOperands(((H,), dtype), ((program.vocab_size, H), dtype), None, tokens),
+        tangents=tuple(i for i, out in enumerate(program.outputs) if out.differentiable),
+        device=CUDA, need=RegionOperands(True, True, False, (False,) * len(tokens)), acc_dtype=torch.float32,
         compiled=compiled, onednn=m["_tile_passes"].onednn_gemms.onednn_gemms_apply(CUDA),
         weight_grad=schedule.SPLIT if split else schedule.FLOAT32,
     )  # fmt: skip
     context = _recorded_inductor() if compiled else contextlib.nullcontext([])
     with context as handed:
-        kernel = region_op._program_kernel(key)
+        kernel = m["_tile_function"].tile_kernel(key)
         if compiled:
             _assert_middles_for_cuda(handed, "row program middle")
         with _fake_mode():
-            inputs = _fake_inputs(region_op._input_spec(key, program), program.vocab_size, torch.randn)
+            inputs = _fake_inputs(
+                m["_tile_function"]._input_spec(key, program), program.vocab_size, torch.randn
+            )
             if split:  # the planes of a fresh sum, as the tile loop makes them
                 planes = m["_weight_grad"].unwritten_planes((program.vocab_size, H), CUDA)
                 inputs = inputs._replace(weight_grad_sum=planes)

@@ -28,6 +28,7 @@ from tile_pass import _textbook
 from tile_pass.plan import _plan, _tiling
 from tile_pass.plan._plan import RegionCall
 from tile_pass.plan._tiling import TileSize
+from tile_pass.program import _region
 from tile_pass.tiles.tiled_region import _row_region, _row_region_backward, _row_region_loss
 
 # ------------------------------------------------------------------ 1. double backward
@@ -173,15 +174,17 @@ def test_fake_implementations_agree_with_the_real_ops(layout, need):
         program = _program_of(options)
         common = dict(call=RegionCall(program, TileSize(8), False).key)
         fake = ("test_faketensor",)
+        reduce = [target] * _region.lookup(program).counts.reduce  # a mean's: the labels it counts
         if reduction != "none":  # the scalar loss, its gradient formed in forward
-            args = (hidden, weight, bias, [target], [], [target, hidden])
+            args = (hidden, weight, bias, [target, *reduce])
+            loss_flags = dict(need=flags["need"] + [False] * len(reduce))
             torch.library.opcheck(
-                _row_region_loss, args, {**common, **flags}, test_utils=("test_faketensor",)
+                _row_region_loss, args, {**common, **loss_flags}, test_utils=("test_faketensor",)
             )
             continue
-        args = (hidden, weight, bias, [target], [])
+        args = (hidden, weight, bias, [target])
         torch.library.opcheck(_row_region, args, common, test_utils=fake)
-        args = ([torch.randn(21)], hidden, weight, bias, [target], [])
+        args = ([torch.randn(21)], hidden, weight, bias, [target])
         torch.library.opcheck(
             _row_region_backward, args, {**common, **flags}, test_utils=("test_faketensor",)
         )

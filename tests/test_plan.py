@@ -79,12 +79,12 @@ def test_the_region_ops_are_registered_when_tile_pass_is_imported():
 def test_a_new_token_count_reuses_the_traced_tiles_of_its_tile_size(monkeypatch):
     """The functional API in eager code: a new batch length traces at most its short last tile;
     the full tiles' function is the one traced for the first length."""
-    from tile_pass.tiles import tiled_region
+    from tile_pass.tiles import _tile_function
 
     traced = []
-    real = tiled_region._trace_program_kernel
+    real = _tile_function._trace_program_kernel
     spy = lambda key: traced.append(key.tile) or real(key)  # noqa: E731
-    monkeypatch.setattr(tiled_region, "_trace_program_kernel", spy)
+    monkeypatch.setattr(_tile_function, "_trace_program_kernel", spy)
     w = torch.randn(97, 24, requires_grad=True)
     for n in (301, 333, 365, 301):  # full tiles of 128, then a short one padded to 64 or 128
         h = torch.randn(n, 24, requires_grad=True)

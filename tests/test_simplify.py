@@ -31,7 +31,7 @@ def tile_outputs(key):
     hidden, weight, bias, target, coef, weight_acc, _ = make_inputs(key)
     target[1::7] = 3  # the class of zero weight below
     class_weights = None
-    if key.row_inputs:
+    if key.operands.shared:
         class_weights = torch.rand(V, generator=torch.Generator().manual_seed(1))
         class_weights[3] = 0.0
     (losses,), grad_hidden, _ = call(key, hidden, weight, bias, target, coef, weight_acc, None, class_weights)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import DEVICES, assert_close_to_oracle, leaves, value_and_grads
 
 import tile_pass
-from tile_pass.tiles import tiled_region
+from tile_pass.tiles import _tile_loop
 
 N, H, V, TILE = 48, 16, 96, 8
 
@@ -35,15 +35,15 @@ def test_skipping_tiles_gather_a_teacher_into_one_buffer_and_stay_exact(device, 
     labels, teacher = labels.to(device), teacher.to(device)
 
     gathered = []
-    tile_rows = tiled_region._tile_rows
+    tile_rows = _tile_loop._tile_rows
 
     def recording(*args):
         rows = tile_rows(*args)
         if rows[0] is not None:  # kept alive: a fresh copy per tile could not share an address
-            gathered.extend(t for t in rows[2] if t.dim() == 2 and t.shape[-1] == V)
+            gathered.extend(t for t in rows[1].tokens if t.dim() == 2 and t.shape[-1] == V)
         return rows
 
-    monkeypatch.setattr(tiled_region, "_tile_rows", recording)
+    monkeypatch.setattr(_tile_loop, "_tile_rows", recording)
     compiled = torch.compile(teacher_kl, backend=tile_pass.backend("aot_eager", tile_tokens=TILE))
     h, w = leaves(hidden.to(device), weight.to(device))
     loss, (grad_h, grad_w, _, _) = value_and_grads(compiled, [h, w, labels, teacher])

@@ -272,10 +272,10 @@ def test_compiled_tiles_match_oracle(device, reduction):
 def test_ignored_tokens_are_skipped_on_cpu(monkeypatch, reduction):
     """On CPU the tiles run only the labelled tokens (no device sync to find them): 24 of 64
     labelled in tiles of 16 is 2 tile calls, not 4, and loss and gradients stay eager's."""
-    from tile_pass.tiles import tiled_region
+    from tile_pass.tiles import _tile_function
 
     rows_run = []
-    original = tiled_region._program_kernel
+    original = _tile_function.tile_kernel
 
     def spy(key):
         kernel = original(key)
@@ -286,7 +286,7 @@ def test_ignored_tokens_are_skipped_on_cpu(monkeypatch, reduction):
 
         return call
 
-    monkeypatch.setattr(tiled_region, "_program_kernel", spy)
+    monkeypatch.setattr(_tile_function, "tile_kernel", spy)
     hidden, weight, _ = make_inputs(64, 8, 40, "cpu")
     target = torch.randint(0, 40, (64,))
     target[torch.randperm(64)[:40]] = -100

@@ -213,10 +213,10 @@ def test_plan_runs_small_half_precision_batches_as_one_tile(num_tokens, tile, la
 def test_direct_schedule_is_within_eagers_error(device, monkeypatch):
     """A small batch runs as one tile whose own GEMM rounds the weight gradient once."""
     keys = []
-    from tile_pass.tiles import tiled_region
+    from tile_pass.tiles import _tile_function
 
-    real = tiled_region._program_kernel
-    monkeypatch.setattr(tiled_region, "_program_kernel", lambda key: keys.append(key) or real(key))
+    real = _tile_function.tile_kernel
+    monkeypatch.setattr(_tile_function, "tile_kernel", lambda key: keys.append(key) or real(key))
     g = torch.Generator().manual_seed(0)
     n, h, v = 150, 32, 300
     hidden = torch.randn(n, h, generator=g, dtype=torch.float64)

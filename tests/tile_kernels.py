@@ -2,7 +2,7 @@
 function's passes: the region's code is traced (``torch.fx.symbolic_trace``), given fake
 example values as Dynamo gives them, and matched by the one matcher into a program; the key
 names the tile size, dtypes and post-trace passes, and the kernel is the traced, finished tile
-function of :mod:`tile_pass.tiles.tiled_region`."""
+function of :mod:`tile_pass.tiles._tile_function`."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from tile_pass._textbook import _ExampleValues
 from tile_pass.match._region_match import match_row_region
 from tile_pass.plan._weight_grad import WeightGradSchedule
 from tile_pass.program import _region
+from tile_pass.program._operands import RegionOperands
+from tile_pass.tiles._tile_function import tile_kernel
 from tile_pass.tiles._tile_kernel import TileInputs, TileKernelKey
-from tile_pass.tiles.tiled_region import _program_kernel
 
 T, H, V = 32, 16, 96
 CPU = torch.device("cpu")
@@ -94,23 +95,18 @@ def ce_key(
     """The tile function's key for the textbook cross entropy (``code_options``: those of
     :func:`cross_entropy_code`) with these dtypes, sizes and passes."""
     program = program_of(cross_entropy_code(**code_options), dtype, bias, class_weights, vocab, hidden)
+    tokens = tuple((_region.row_part(layout, vocab), torch.int64) for layout in program.token_layouts)
+    shared = (((vocab,), torch.float32),) if class_weights else ()
     return TileKernelKey(
         program=program.key,
         tile=tile,
-        hidden_size=hidden,
         vocab_size=vocab,
-        hidden_dtype=dtype,
-        weight_dtype=dtype,
-        bias_dtype=dtype if bias else None,
-        token_inputs=tuple(
-            (_region.row_part(layout, vocab), torch.int64) for layout in program.token_layouts
+        operands=RegionOperands(
+            ((hidden,), dtype), ((vocab, hidden), dtype), ((vocab,), dtype) if bias else None, tokens, shared
         ),
-        row_inputs=(((vocab,), torch.float32),) if class_weights else (),
         tangents=tuple(i for i, out in enumerate(program.outputs) if out.differentiable),
         device=CPU,
-        need_hidden=need_hidden,
-        need_weight=True,
-        need_bias=bias,
+        need=RegionOperands(need_hidden, True, bias, (False,) * len(tokens), (False,) * len(shared)),
         acc_dtype=torch.float32,
         compiled=compiled,
         onednn=onednn,
@@ -119,7 +115,7 @@ def ce_key(
 
 
 def kernel(key: TileKernelKey) -> torch.fx.GraphModule:
-    return _program_kernel(key)
+    return tile_kernel(key)
 
 
 def replace(key: TileKernelKey, **changes) -> TileKernelKey:
@@ -146,21 +142,20 @@ def call(key: TileKernelKey, hidden, weight, bias, target, coef, weight_acc, bia
     program = _region.lookup(key.program)
     if program.token_layouts == ("tokens1",):  # a gather's index, made outside the region
         target = target.clamp(min=0).unsqueeze(1)
-    summed = key.need_weight and key.weight_grad is WeightGradSchedule.FLOAT32
+    summed = key.need.weight and key.weight_grad is WeightGradSchedule.FLOAT32
     inputs = TileInputs(
-        hidden=hidden,
-        weight=weight,
-        bias=bias if key.bias_dtype is not None else None,
-        token_inputs=(target,),
-        row_inputs=(class_weights,) if key.row_inputs else (),
+        operands=RegionOperands(
+            hidden, weight, bias if key.bias_dtype is not None else None,
+            tokens=(target,), shared=(class_weights,) if key.operands.shared else (),
+        ),
         tangents=tuple(coef.to(program.outputs[i].dtype) for i in key.tangents),
         weight_grad_sum=(weight_acc,) if summed else (),
-        bias_grad_sum=bias_acc if key.need_bias else None,
-    )
+        bias_grad_sum=bias_acc if key.need.bias else None,
+    )  # fmt: skip
     result = list(kernel(key)(*inputs.flat()))
     outputs = [result.pop(0) for _ in program.outputs]
-    grad_hidden = result.pop(0) if key.need_hidden else None
-    direct = key.need_weight and key.weight_grad is WeightGradSchedule.DIRECT
+    grad_hidden = result.pop(0) if key.need.hidden else None
+    direct = key.need.weight and key.weight_grad is WeightGradSchedule.DIRECT
     grad_weight = result.pop(0) if direct else None
     return outputs, grad_hidden, grad_weight
 

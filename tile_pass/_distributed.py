@@ -183,10 +183,11 @@ def shard_step(step, group_name: str, vocab_start: int, vocab_size: int):
     )
 
 
-def on_local_shards(run, hidden, weight, bias, token_inputs, row_inputs, reduce_inputs):
-    """``run`` (the region op's entry) for a vocabulary-sharded DTensor head: on this rank's
-    local pieces, its outputs (every one per token, hence the same on every rank) returned as
-    replicated DTensors, as ``loss_parallel`` returns them."""
+def on_local_shards(run, hidden, weight, bias, operands):
+    """``run`` (the region op's entry; ``operands``: the groups after the head, flat) for a
+    vocabulary-sharded DTensor head: on this rank's local pieces, its outputs (every one per
+    token, hence the same on every rank) returned as replicated DTensors, as ``loss_parallel``
+    returns them."""
     from torch.distributed.tensor import DTensor, Replicate
 
     mesh = weight.device_mesh
@@ -194,10 +195,7 @@ def on_local_shards(run, hidden, weight, bias, token_inputs, row_inputs, reduce_
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
 
-    token_inputs, row_inputs, reduce_inputs = (
-        [local(t) for t in inputs] for inputs in (token_inputs, row_inputs, reduce_inputs)
-    )
-    outputs = run(local(hidden), weight.to_local(), None, token_inputs, row_inputs, reduce_inputs)
+    outputs = run(local(hidden), weight.to_local(), None, [local(t) for t in operands])
     return [DTensor.from_local(out, mesh, [Replicate()], run_check=False) for out in outputs]
 
 

@@ -460,7 +460,7 @@ def _weight_grad_sum(schedule: WeightGradSchedule | None, dtype: torch.dtype) ->
 
 
 def _token_skipping(region) -> str:
-    """Which tokens the tiles may leave out (``tiled_region._skipped_rows`` decides per batch), or
+    """Which tokens the tiles may leave out (``_tile_loop.skipped_rows`` decides per batch), or
     the output that makes every token run: a token is left out only where every output is zero
     whatever its logits, or reaches the loss with a zero token weight."""
     outputs = list(zip(region.outputs, region.program.outputs, strict=True))

@@ -49,6 +49,7 @@ from tile_pass.match._fx import (
 from tile_pass.match._op_facts import FACTS, Linear, Selects, facts_for, spelling
 from tile_pass.match._rules import PREVIOUS_STEP, AfterTiles, Classified, RuleKind, Shape
 from tile_pass.program import _region
+from tile_pass.program._operands import RegionOperands
 from tile_pass.program._region import (
     Layout,
     Output,
@@ -123,7 +124,7 @@ class TokenInput:
 
 
 @dataclass
-class RowInput:
+class SharedInput:
     """A tensor from outside the region that every row shares (0-d, ``[V]``, ``[1]``), or
     the weight (and bias) of another projection of the same rows, taken ``whole``."""
 
@@ -149,23 +150,32 @@ class RowRegion:
     """One matched region: the record the rewrite reads (named fields, no positions)."""
 
     projection: torch.fx.Node
-    hidden: torch.fx.Node
-    weight: torch.fx.Node
-    bias: torch.fx.Node | None
+    #: the op's operands: the head's nodes, ``tokens`` (:class:`TokenInput`), ``shared``
+    #: (:class:`SharedInput`) and ``reduce`` (the scalar loss's own input nodes)
+    operands: RegionOperands
     autocast_dtype: torch.dtype | None
     nodes: list[torch.fx.Node]
-    token_inputs: list[TokenInput]
-    row_inputs: list[RowInput]
     outputs: list[RegionOutput]
     program: RowProgram
     reduction_nodes: list[torch.fx.Node] = field(default_factory=list)  # joined the op (phase 4)
     sink: torch.fx.Node | None = None  # the scalar loss they end in
-    reduce_inputs: list[torch.fx.Node] = field(default_factory=list)
     steps_text: list[str] = field(default_factory=list)
     dropped: list[torch.fx.Node] = field(default_factory=list)  # returned rows replaced by a placeholder
     kept_whole: list[torch.fx.Node] = field(default_factory=list)  # returned rows before a token slice
     slices: list[tuple] = field(default_factory=list)  # token selections applied to the hidden states
     num_tokens: object = 0  # the tokens the tiles run (after the slices)
+
+    @property
+    def hidden(self) -> torch.fx.Node:
+        return self.operands.hidden
+
+    @property
+    def weight(self) -> torch.fx.Node:
+        return self.operands.weight
+
+    @property
+    def bias(self) -> torch.fx.Node | None:
+        return self.operands.bias
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -347,7 +357,7 @@ class RegionMatcher:
         self.values: dict[torch.fx.Node, RegionValue] = {projection: RegionValue(logits, logits.shape)}
         self.outside: dict[torch.fx.Node, NoMatch] = {}  # node that depends on the logits -> why not row-wise
         self.token_inputs: list[TokenInput] = []
-        self.row_inputs: list[RowInput] = []
+        self.row_inputs: list[SharedInput] = []
         self.index_checks: list[tuple] = []
         self.head_signs = False
         #: returned rows: not computed (drop_logits=True); before a token slice, left to the graph whole
@@ -440,10 +450,10 @@ class RegionMatcher:
         # no token dimensions of its own ([V] class weights, a 0-d scale): shared by every row, also
         # when a batch of one token makes its broadcast shape look per-token
         if value.dim() <= len(out_part) or (not per_token and all(same(s, 1) for s in tokens)):
-            row = RowInput(arg, value.dim() == 0, differentiable=differentiable)  # equal: of the same node
+            row = SharedInput(arg, value.dim() == 0, differentiable=differentiable)  # equal: of the same node
             if row not in self.row_inputs:
                 self.row_inputs.append(row)
-            return Ref(RefKind.ROW, self.row_inputs.index(row))
+            return Ref(RefKind.SHARED, self.row_inputs.index(row))
         if not all(same(s, 1) or same(s, t) for s, t in zip(tokens, out.tokens, strict=True)):
             raise NoMatch("{} combines the logits with {} of shape {}, which is not one value per token",
                           node, arg, tuple(value.shape))  # fmt: skip
@@ -683,9 +693,9 @@ class RegionMatcher:
         for operand in (weight, bias):
             if operand is not None:
                 grad = trained and bool(getattr(val(operand), "requires_grad", False))
-                self.row_inputs.append(RowInput(operand, False, whole=True, differentiable=grad))
+                self.row_inputs.append(SharedInput(operand, False, whole=True, differentiable=grad))
                 self.partner_inputs.append(self.row_inputs[-1])
-                args.append(Ref(RefKind.ROW, len(self.row_inputs) - 1))
+                args.append(Ref(RefKind.SHARED, len(self.row_inputs) - 1))
         classified = Classified(self.step(node, F.linear, args), Shape(Layout.ROWS, tokens))
         self._add(node, classified, RuleKind.ELEMENTWISE)
         self._no_gradient_through(node)
@@ -859,7 +869,7 @@ class RegionMatcher:
             return None
         env: dict[torch.fx.Node, Ref] = {}
         steps: list[Step] = []
-        inputs: list[torch.fx.Node] = [self.hidden]  # the hidden states: for their token shape only
+        inputs: list[torch.fx.Node] = []  # the loss's own: the operands' reduce group
 
         def external(arg):
             if isinstance(arg, (list, tuple)):  # torch.cat's tensors
@@ -930,7 +940,7 @@ class RegionMatcher:
     def _restored(self, out: RegionOutput, read: Ref, first: int, external) -> list[Step]:
         """Phase 4's steps (numbered from ``first``) giving output ``read`` as the graph has it: the
         selection's rows of what the tiles computed on all rows, and its token reduction finished."""
-        steps, rows, hidden = [], Ref(RefKind.REDUCE, 0), Ref(RefKind.REDUCE, 0)
+        steps, rows, hidden = [], Ref(RefKind.HIDDEN, 0), Ref(RefKind.HIDDEN, 0)
         if out.subset is not None:
             steps.append(self.step(out.node, select, (read, hidden, out.subset)))
             steps.append(self.step(out.node, operator.getitem, (hidden, out.subset)))
@@ -1093,7 +1103,8 @@ def _build_region(matcher: RegionMatcher) -> RowRegion | None:
                only_loss=o.node is sink or bool(in_loss) and all(u in in_loss for u in o.node.users))
         for o in outputs
     )  # fmt: skip
-    finish = ReductionProgram(tuple(reduction_steps), result, val(sink).dtype, linear) if reduction else None
+    finish = ReductionProgram(tuple(reduction_steps), result, val(sink).dtype, linear,
+                              num_inputs=len(reduce_inputs)) if reduction else None  # fmt: skip
     vocab_size, shard = int(matcher.vocab), None
     if matcher.shard is not None:
         if any(o.shape.layout is Layout.ROWS for o in outputs):
@@ -1110,15 +1121,16 @@ def _build_region(matcher: RegionMatcher) -> RowRegion | None:
     program = _region.register(RowProgram(
         steps=steps, outputs=program_outputs, vocab_size=vocab_size, shard=shard,
         token_layouts=tuple(token_layout(t.part) for t in matcher.token_inputs),
-        has_bias=matcher.bias is not None, bias_added=matcher.bias_added,
+        has_bias=matcher.bias is not None, bias_added=matcher.bias_added, num_shared=len(matcher.row_inputs),
         index_checks=tuple(matcher.index_checks), reduction=finish, form=" -> ".join(steps_text),
     ))  # fmt: skip
+    operands = RegionOperands(matcher.hidden, matcher.weight, matcher.bias, tuple(matcher.token_inputs),
+                              tuple(matcher.row_inputs), tuple(reduce_inputs))  # fmt: skip
     return RowRegion(
-        projection=matcher.projection, hidden=matcher.hidden, weight=matcher.weight, bias=matcher.bias,
-        autocast_dtype=matcher.autocast_dtype,
+        projection=matcher.projection, operands=operands, autocast_dtype=matcher.autocast_dtype,
         nodes=[*matcher.values, *(n for n in (matcher.transpose, *matcher.partners.values()) if n)],
-        token_inputs=matcher.token_inputs, row_inputs=matcher.row_inputs, outputs=outputs, program=program,
-        reduction_nodes=reduction_nodes, sink=sink, reduce_inputs=reduce_inputs, steps_text=steps_text,
+        outputs=outputs, program=program,
+        reduction_nodes=reduction_nodes, sink=sink, steps_text=steps_text,
         dropped=matcher.dropped, kept_whole=matcher.kept_whole, slices=matcher.slices,
         num_tokens=matcher.num_tokens,
     )  # fmt: skip

@@ -47,6 +47,16 @@ class TilePlan:
     def tile_bytes(self) -> int:
         return self.tile * self.bytes_per_token
 
+    def rows_for(self, count: int) -> int:
+        """The rows a tile of ``count`` tokens runs: the plan's tile, or a short one padded
+        (:func:`effective_tile` of ``count``, a bounded set of sizes)."""
+        return self.tile if count == self.tile else effective_tile(count, TileSize(self.tile))
+
+    def in_groups(self, tile: int, num_tiles: int) -> TilePlan:
+        """The plan of a loop over ``num_tiles`` tiles of whole coupled groups, ``tile`` rows each
+        (:func:`tile_pass.tiles._coupled_tiles.coupled_tiles` sized them from this plan)."""
+        return dataclasses.replace(self, tile=tile, coupled=num_tiles)
+
 
 def plan_tiles(
     rows: int,

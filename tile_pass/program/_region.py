@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tile_pass.match._op_facts import RuleKind, facts_for
+from tile_pass.program._operands import OperandCounts, RegionOperands
 
 
 class Layout(str, enum.Enum):
@@ -55,11 +56,19 @@ def row_part(layout: Layout, vocab_size) -> tuple:
 
 
 class RefKind(enum.Enum):
-    """``VALUE``: the output of step ``index - 1`` (0 is the projection); ``TOKEN``: a per-token
-    input, sliced per tile; ``ROW``: an input every row shares (0-d or ``[V]``); in a reduction
-    program, ``OUTPUT``: a region output, ``REDUCE``: one of its own inputs."""
+    """``VALUE``: the output of step ``index - 1`` (0 is the projection); an operand of the
+    group its value names (:class:`~tile_pass.program._operands.RegionOperands`): ``TOKEN``, a
+    per-token input, sliced per tile; ``SHARED``, an input every row shares (0-d, ``[V]``, a
+    partner head's weight); in a reduction program, ``OUTPUT``: a region output, ``REDUCE``: one
+    of the loss's own inputs, ``HIDDEN``: the hidden states as the graph shapes them (their token
+    dimensions give a flat output its shape back)."""
 
-    VALUE, TOKEN, ROW, OUTPUT, REDUCE = range(5)
+    VALUE = "value"
+    TOKEN = "tokens"
+    SHARED = "shared"
+    REDUCE = "reduce"
+    OUTPUT = "output"
+    HIDDEN = "hidden"
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,7 @@ class Step:
                 shown.append(f"label_smoothing={options['label_smoothing']}")
             if "weight" in options:
                 shown.append("class weights")
-            if name != "kl_div" and isinstance(self.args[1], Ref) and self.args[1].kind is RefKind.ROW:
+            if name != "kl_div" and isinstance(self.args[1], Ref) and self.args[1].kind is RefKind.SHARED:
                 shown.append("class probabilities")
             return f"{name}({', '.join(shown)})"
         numbers = [repr(a) for a in self.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
@@ -130,7 +139,7 @@ class ZeroKind(enum.Enum):
 class Zeros:
     """Where a value is zero whatever the logits (:func:`zero_where`): a fact, or parts combined."""
 
-    def tokens(self, token_inputs) -> tuple[torch.Tensor, bool]:
+    def tokens(self, per_token) -> tuple[torch.Tensor, bool]:
         """Where it holds, one flag per token, and whether it holds even for non-finite logits."""
         raise NotImplementedError
 
@@ -145,8 +154,8 @@ class ZeroIf(Zeros):
     value: object = None
     exact: bool = True
 
-    def tokens(self, token_inputs) -> tuple[torch.Tensor, bool]:
-        t = token_inputs[self.token]
+    def tokens(self, per_token) -> tuple[torch.Tensor, bool]:
+        t = per_token[self.token]
         t = t.reshape(t.shape[0], -1)[:, 0]
         if self.kind is ZeroKind.EQUALS:
             return t == self.value, self.exact
@@ -165,8 +174,8 @@ class _ZeroParts(Zeros):
         if len(self.parts) < 2 or not all(isinstance(p, Zeros) for p in self.parts):
             raise ValueError(f"{type(self).__name__} needs two or more Zeros parts, not {self.parts!r}")
 
-    def tokens(self, token_inputs) -> tuple[torch.Tensor, bool]:
-        flags, exact = zip(*(part.tokens(token_inputs) for part in self.parts), strict=True)
+    def tokens(self, per_token) -> tuple[torch.Tensor, bool]:
+        flags, exact = zip(*(part.tokens(per_token) for part in self.parts), strict=True)
         return functools.reduce(self._combine, flags), all(exact)
 
 
@@ -210,10 +219,11 @@ class ReductionProgram:
     is evaluated at the outputs (:mod:`tile_pass.program._token_groups` says which tokens a tile
     must hold together for it to be known in the tile)."""
 
-    steps: tuple[Step, ...]  # its inputs: the region's outputs, flat, and its own ("reduce")
+    steps: tuple[Step, ...]  # its inputs: the region's outputs, flat, its own ("reduce"), the hidden states
     result: int  # the value index of the scalar loss
     dtype: torch.dtype  # the loss's
     linear: bool = True
+    num_inputs: int = 0  # its own inputs: the operands' ``reduce`` group
 
 
 @dataclass(frozen=True)
@@ -226,6 +236,8 @@ class RowProgram:
     #: per token input: its layout in the tile (``rows`` for a teacher's logits, ...)
     token_layouts: tuple[Layout, ...]
     has_bias: bool
+    #: how many inputs every row shares (the operands' ``shared`` group)
+    num_shared: int = 0
     #: per token input that indexes the vocabulary: (input, how eager reports a bad index,
     #: ignore_index or None), checked before the tiles on CPU
     index_checks: tuple[tuple[int, str, int | None], ...] = ()
@@ -239,6 +251,12 @@ class RowProgram:
     #: product is rounded to the logits' dtype before the add, as eager rounds it (in half
     #: precision one rounding less moves every soft-capped loss off eager's, issue 48)
     bias_added: bool = False
+
+    @property
+    def counts(self) -> OperandCounts:
+        """The sizes of its operands' groups, to read them from an op's flat list."""
+        reduce = self.reduction.num_inputs if self.reduction is not None else 0
+        return OperandCounts(len(self.token_layouts), self.num_shared, reduce)
 
 
 # ---------------------------------------------------------------------------- interpreter
@@ -285,15 +303,10 @@ def run_steps(steps, env: dict, first_value: int, device_type: str) -> dict:
     return env
 
 
-def run_program(
-    program: RowProgram,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    token_inputs,
-    row_inputs,
-) -> list[torch.Tensor]:
-    """The program's outputs for the tokens of ``hidden`` (a tile, or all of them, flat)."""
+def run_program(program: RowProgram, operands: RegionOperands) -> list[torch.Tensor]:
+    """The program's outputs for the tokens of ``operands.hidden`` (a tile, or all of them,
+    flat) and its per-token inputs at those tokens."""
+    hidden, weight, bias = operands.hidden, operands.weight, operands.bias
     if program.bias_added and bias is not None:
         product = F.linear(hidden, weight)
         # a half-precision bias comes upcast (tiled_region): the sum rounds as eager's add does
@@ -303,18 +316,33 @@ def run_program(
     else:
         logits = F.linear(hidden, weight, bias)
     env: dict = {Ref(RefKind.VALUE, 0): logits}
-    env.update((Ref(RefKind.TOKEN, i), t) for i, t in enumerate(token_inputs))
-    env.update((Ref(RefKind.ROW, i), t) for i, t in enumerate(row_inputs))
+    for kind in (RefKind.TOKEN, RefKind.SHARED):
+        env.update((Ref(kind, i), t) for i, t in enumerate(getattr(operands, kind.value)))
     run_steps(program.steps, env, 1, hidden.device.type)
     return [env[Ref(RefKind.VALUE, out.value)] for out in program.outputs]
 
 
-def run_reduction(reduction: ReductionProgram, outputs, reduce_inputs, device_type: str) -> torch.Tensor:
-    """The scalar loss from the region's full per-token outputs (flat, as the tiles give them)."""
+def run_reduction(
+    reduction: ReductionProgram, outputs, operands: RegionOperands, device_type: str
+) -> torch.Tensor:
+    """The scalar loss from the region's full per-token outputs (flat, as the tiles give them),
+    its own inputs (``operands.reduce``) and the hidden states' token dimensions."""
     env: dict = {Ref(RefKind.OUTPUT, i): out for i, out in enumerate(outputs)}
-    env.update((Ref(RefKind.REDUCE, i), t) for i, t in enumerate(reduce_inputs))
+    env[Ref(RefKind.HIDDEN, 0)] = operands.hidden
+    env.update((Ref(RefKind.REDUCE, i), t) for i, t in enumerate(operands.reduce))
     run_steps(reduction.steps, env, 0, device_type)
     return env[Ref(RefKind.VALUE, reduction.result)]
+
+
+def reduction_inputs(operands: RegionOperands) -> list[torch.Tensor]:
+    """What a reduction program reads besides the outputs, flat (the inputs of a trace of it)."""
+    return [operands.hidden, *operands.reduce]
+
+
+def reduction_operands(inputs) -> RegionOperands:
+    """The record :func:`run_reduction` reads, from :func:`reduction_inputs`' list."""
+    hidden, *reduce = inputs
+    return RegionOperands(hidden, None, None, reduce=tuple(reduce))
 
 
 def dispatch_as_caller():

@@ -29,6 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from tile_pass._logging import log
 from tile_pass.program import _region
+from tile_pass.program._operands import RegionOperands
 from tile_pass.tiles._tile_kernel import _BoundedCache, on_tracing_thread
 
 aten = torch.ops.aten
@@ -113,17 +114,18 @@ _cache = _BoundedCache(256)
 
 
 def token_groups(
-    program: _region.RowProgram, outputs: list[torch.Tensor], reduce_inputs: list[torch.Tensor]
+    program: _region.RowProgram, outputs: list[torch.Tensor], operands: RegionOperands
 ) -> torch.Tensor | None:
     """``[N]`` int64: tokens with the same value are coupled by the loss (its gradient at one
     depends on the other's outputs), tokens with different values are not; ``None`` when the
     reduction holds an op this analysis has no rule for. ``outputs`` stand for their shapes only.
     Decided once per program and sizes."""
-    key = (program.key, tuple((tuple(t.shape), t.dtype) for t in [*outputs, *reduce_inputs]))
+    inputs = _region.reduction_inputs(operands)
+    key = (program.key, tuple((tuple(t.shape), t.dtype) for t in [*outputs, *inputs]))
     known = _cache.get(key)
     if known is None:
         try:
-            known = _analyse(program, outputs, reduce_inputs)
+            known = _analyse(program, outputs, inputs)
         except _Unknown as why:
             log.debug("the tokens %s's loss couples are unknown (%s): tiles run twice", program.key, why)
             known = False
@@ -131,22 +133,23 @@ def token_groups(
     return known if known is not False else None
 
 
-def _analyse(program, outputs, reduce_inputs) -> torch.Tensor:
+def _analyse(program, outputs, inputs) -> torch.Tensor:
+    """The groups, from the loss traced on ``outputs`` and ``inputs`` (its other inputs, flat)."""
     reduction = program.reduction
     num_outputs = len(outputs)
     device_type = outputs[0].device.type
 
     def loss(*args):
-        outs, inputs = list(args[:num_outputs]), list(args[num_outputs:])
-        return _region.run_reduction(reduction, outs, inputs, device_type)
+        operands = _region.reduction_operands(args[num_outputs:])
+        return _region.run_reduction(reduction, list(args[:num_outputs]), operands, device_type)
 
     try:
-        graph = on_tracing_thread(lambda: make_fx(loss, tracing_mode="fake")(*outputs, *reduce_inputs))
+        graph = on_tracing_thread(lambda: make_fx(loss, tracing_mode="fake")(*outputs, *inputs))
     except Exception as why:  # data-dependent Python: no graph to read
         raise _Unknown(f"not traceable: {why}") from None
     num_tokens = outputs[0].shape[0]
     try:
-        return _Interpreter(graph.graph, num_tokens, outputs, reduce_inputs).run()
+        return _Interpreter(graph.graph, num_tokens, outputs, inputs).run()
     except _Unknown:
         raise
     except Exception as why:  # an op's ids could not be formed as its values are: no groups
@@ -157,7 +160,7 @@ class _Interpreter:
     """Runs the traced reduction on token ids (the outputs' elements) and on the constant
     inputs' values (an index a ``gather`` reads must be known)."""
 
-    def __init__(self, graph: torch.fx.Graph, num_tokens: int, outputs, reduce_inputs):
+    def __init__(self, graph: torch.fx.Graph, num_tokens: int, outputs, inputs):
         self.graph = graph
         self.classes = _Classes(num_tokens)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -166,7 +169,7 @@ class _Interpreter:
         tokens = torch.arange(num_tokens)
         for node, out in zip(placeholders, outputs, strict=False):
             self.ids[node] = tokens.view(-1, *([1] * (out.dim() - 1))).expand(out.shape)
-        for node, value in zip(placeholders[len(outputs) :], reduce_inputs, strict=True):
+        for node, value in zip(placeholders[len(outputs) :], inputs, strict=True):
             self.values[node] = value
         self.merging = self._merging()
 

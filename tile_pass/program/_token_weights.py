@@ -28,6 +28,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from tile_pass._logging import log
 from tile_pass.program import _region
+from tile_pass.program._operands import RegionOperands
 from tile_pass.tiles._tile_kernel import _BoundedCache, on_tracing_thread
 
 
@@ -54,15 +55,17 @@ _UNTRACEABLE = "eager"
 
 
 def _gradient_fn(program: _region.RowProgram, diff: list[int]):
-    """``(outputs..., reduce inputs...) -> d loss / d output`` for the outputs the loss reads."""
+    """``(*outputs, *reduction inputs) -> d loss / d output`` for the outputs the loss reads
+    (:func:`~tile_pass.program._region.reduction_inputs`: flat, for a trace)."""
     num_outputs = len(program.outputs)
 
     def gradient(*args):
-        outputs, reduce_inputs = list(args[:num_outputs]), args[num_outputs:]
+        outputs = list(args[:num_outputs])
+        operands = _region.reduction_operands(args[num_outputs:])
         with torch.enable_grad():
             for i in diff:
                 outputs[i] = outputs[i].detach().requires_grad_()
-            loss = _region.run_reduction(program.reduction, outputs, reduce_inputs, outputs[0].device.type)
+            loss = _region.run_reduction(program.reduction, outputs, operands, outputs[0].device.type)
             grads = torch.autograd.grad(loss, [outputs[i] for i in diff], allow_unused=True)
         return {i: g.detach() for i, g in zip(diff, grads, strict=True) if g is not None}
 
@@ -87,12 +90,13 @@ def _trace(program: _region.RowProgram, diff: list[int], args: list[torch.Tensor
 
 
 def token_weights(
-    program: _region.RowProgram, outputs: list[torch.Tensor], reduce_inputs: list[torch.Tensor]
+    program: _region.RowProgram, outputs: list[torch.Tensor], operands: RegionOperands
 ) -> dict[int, torch.Tensor]:
     """``d loss / d output`` by output index, for the differentiable outputs the loss reads;
-    ``outputs`` stand for the outputs' shapes only (any values, broadcast zeros suffice)."""
+    ``outputs`` stand for the outputs' shapes only (any values, broadcast zeros suffice). The
+    loss reads the ``reduce`` group of ``operands`` and the hidden states' token dimensions."""
     diff = [i for i, out in enumerate(program.outputs) if out.differentiable]
-    args = [*outputs, *reduce_inputs]
+    args = [*outputs, *_region.reduction_inputs(operands)]
     key = (program.key, tuple((a.dtype, a.dim(), a.device.type) for a in args))
     sizes = (key, tuple(a.shape for a in args))  # the guards read sizes only: decided once per shape
     with _lock:
@@ -114,7 +118,7 @@ def token_weights(
                       exc_info=True)  # fmt: skip
             with _lock:
                 _derived.put(key, _UNTRACEABLE)
-            return token_weights(program, outputs, reduce_inputs)
+            return token_weights(program, outputs, operands)
         with _lock:
             _derived.put(key, [derived, *known][:_MAX_SIZE_CLASSES])
     return dict(zip(derived.reached, derived.graph(*args), strict=True))

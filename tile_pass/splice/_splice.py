@@ -21,6 +21,7 @@ from tile_pass.match._op_facts import spelling
 from tile_pass.match._region_match import RowRegion
 from tile_pass.plan._plan import RegionCall
 from tile_pass.program import _region
+from tile_pass.program._operands import RegionOperands
 from tile_pass.program._region import Layout, RowProgram
 from tile_pass.program._token_layout import after_tiles, per_token, restore, select, spread
 from tile_pass.splice._returned_logits import ReturnedLogits
@@ -29,20 +30,25 @@ from tile_pass.tiles.tiled_region import run_region
 
 class _ProgramPrefix(torch.nn.Module):
     """The returned rows of a region, computed whole, for the gradient path of logits that are
-    also returned (see :mod:`tile_pass.splice._returned_logits`): the same program, on all tokens."""
+    also returned (see :mod:`tile_pass.splice._returned_logits`): the same program, on all tokens.
+    Takes :func:`_prefix_inputs`: the operands the tiles read, flat, without a missing bias."""
 
-    def __init__(self, program: RowProgram, output: int, flat_tokens: bool, has_bias: bool):
+    def __init__(self, program: RowProgram, output: int, flat_tokens: bool):
         super().__init__()
-        self.program, self.output, self.flat_tokens, self.has_bias = program, output, flat_tokens, has_bias
+        self.program, self.output, self.flat_tokens = program, output, flat_tokens
 
     def forward(self, hidden, weight, *rest):
-        bias, rest = (rest[0], rest[1:]) if self.has_bias else (None, rest)
-        count = len(self.program.token_layouts)
+        bias, rest = (rest[0], rest[1:]) if self.program.has_bias else (None, rest)
+        counts = self.program.counts._replace(reduce=0)
+        operands = RegionOperands.unflatten([hidden, weight, bias, *rest], counts)
         flat = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
-        outputs = _region.run_program(
-            self.program, flat, weight, bias, list(rest[:count]), list(rest[count:])
-        )
+        outputs = _region.run_program(self.program, operands._replace(hidden=flat))
         return restore(outputs[self.output], hidden, self.flat_tokens)
+
+
+def _prefix_inputs(operands: RegionOperands) -> list[torch.fx.Node]:
+    """What :class:`_ProgramPrefix` takes: the operands but the loss's own, a missing bias left out."""
+    return [node for node in operands._replace(reduce=()).flat() if node is not None]
 
 
 def _grad_modes(graph: torch.fx.Graph) -> dict[torch.fx.Node, bool]:
@@ -123,9 +129,9 @@ class Splice:
     members: set[torch.fx.Node] = field(default_factory=set)
     point: torch.fx.Node | None = None  # the region's first reader outside it: the op goes before it
     tokens: torch.fx.Node | None = None  # the rows the tiles run: the hidden states after the token slices
-    head: tuple = ()  # (hidden, weight, bias) as the op takes them: sliced, reshaped, cast
-    token_nodes: list[torch.fx.Node] = field(default_factory=list)
-    row_nodes: list[torch.fx.Node] = field(default_factory=list)
+    #: the op's operands as nodes: the head sliced, reshaped and cast, the per-token inputs flat
+    #: over the tiles' rows, the shared ones as the rows take them, the loss's own as they are
+    operands: RegionOperands | None = None
     op: torch.fx.Node | None = None  # the call of run_region
     restored: dict[torch.fx.Node, torch.fx.Node] = field(default_factory=dict)  # output -> its new value
     returned_logits: str = "not returned"  # how logits the graph also returns are handled
@@ -156,8 +162,7 @@ def _hoist(graph: torch.fx.Graph, splice: Splice, autocast_states) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
     readers = [u for n in splice.members for u in n.users if u not in splice.members]
     splice.point = min(readers, key=order.__getitem__)
-    inputs = [region.hidden, region.weight, region.bias, *[t.node for t in region.token_inputs],
-              *[r.node for r in region.row_inputs], *region.reduce_inputs]  # fmt: skip
+    inputs = [e if isinstance(e, torch.fx.Node) or e is None else e.node for e in region.operands.flat()]
     torch.fx.node.map_arg(region.slices, inputs.append)  # symbolic slice bounds
     for node in _to_hoist(graph, inputs, splice.point, autocast_states):
         splice.point.prepend(node)
@@ -176,37 +181,36 @@ def _slice_and_cast(graph: torch.fx.Graph, splice: Splice) -> None:
         hidden, weight = (graph.call_method("to", (t, region.autocast_dtype)) for t in (hidden, weight))
         if bias is not None:
             bias = graph.call_method("to", (bias, region.autocast_dtype))
-    splice.tokens, splice.head = tokens, (hidden, weight, bias)
+    splice.tokens = tokens
+    splice.operands = region.operands._replace(hidden=hidden, weight=weight, bias=bias)
 
 
 def _per_token_inputs(graph: torch.fx.Graph, splice: Splice) -> None:
-    """The op's per-token inputs flat over the tiles' rows, its row-shared inputs as the rows take
+    """The op's per-token inputs flat over the tiles' rows, its shared inputs as the rows take
     them; detached unless a node that needs a gradient reads them."""
 
     def given(entry):
         needs = getattr(val(entry.node), "requires_grad", False) and not entry.differentiable
         return graph.call_method("detach", (entry.node,)) if needs else entry.node
 
-    tokens = splice.tokens
-    splice.token_nodes = [
-        graph.call_function(per_token, (given(t), tokens, t.flat_tokens, len(t.part)))
-        if t.subset is None
-        else graph.call_function(spread, (given(t), tokens, t.flat_tokens, len(t.part), t.subset))
-        for t in splice.region.token_inputs
-    ]  # fmt: skip
-    splice.row_nodes = [
-        given(r) if r.whole else graph.call_method("reshape", (given(r), () if r.zero_dim else (-1,)))
-        for r in splice.region.row_inputs
-    ]
+    tokens, operands = splice.tokens, splice.operands
+    splice.operands = operands._replace(
+        tokens=tuple(
+            graph.call_function(per_token, (given(t), tokens, t.flat_tokens, len(t.part)))
+            if t.subset is None
+            else graph.call_function(spread, (given(t), tokens, t.flat_tokens, len(t.part), t.subset))
+            for t in operands.tokens
+        ),
+        shared=tuple(
+            given(s) if s.whole else graph.call_method("reshape", (given(s), () if s.zero_dim else (-1,)))
+            for s in operands.shared
+        ),
+    )  # fmt: skip
 
 
 def _call(graph: torch.fx.Graph, splice: Splice) -> None:
-    reduce_nodes = [splice.tokens if n is splice.region.hidden else n for n in splice.region.reduce_inputs]
-    splice.op = graph.call_function(
-        run_region,
-        (*splice.head, splice.token_nodes, splice.row_nodes, reduce_nodes),
-        {"call": splice.call.key},
-    )
+    hidden, weight, bias, *operands = splice.operands.flat()
+    splice.op = graph.call_function(run_region, (hidden, weight, bias, operands), {"call": splice.call.key})
 
 
 def _restore_outputs(graph: torch.fx.Graph, splice: Splice) -> None:
@@ -273,19 +277,12 @@ def _hand_back_returned_logits(graph: torch.fx.Graph, splice: Splice, result) ->
             ))  # fmt: skip
             extras.append(region.hidden)
         splice.returned_logits = "dropped (drop_logits=True): a zero-byte NaN placeholder is returned"
-    hidden, weight, bias = splice.head
-    prefix_inputs = [
-        hidden,
-        weight,
-        *([bias] if bias is not None else []),
-        *splice.token_nodes,
-        *splice.row_nodes,
-    ]
+    prefix_inputs = _prefix_inputs(splice.operands)
     for out in returned:
         k = region.outputs.index(out)
         for position in [i for i, n in enumerate(outputs) if n is splice.restored[out.node]]:
             if out.differentiable:
-                prefix = _ProgramPrefix(region.program, k, out.flat_tokens, region.bias is not None)
+                prefix = _ProgramPrefix(region.program, k, out.flat_tokens)
                 first = extra_base + len(extras)
                 result.returned_logits.append(
                     ReturnedLogits(position, list(range(first, first + len(prefix_inputs))), prefix)

@@ -26,6 +26,7 @@ import torch
 
 from tile_pass.plan._tiling import padded_rows
 from tile_pass.program import _region
+from tile_pass.program._operands import RegionOperands
 from tile_pass.program._token_groups import token_groups
 from tile_pass.program._token_weights import token_weights
 
@@ -45,14 +46,14 @@ class CoupledTiles(NamedTuple):
 def coupled_tiles(
     program: _region.RowProgram,
     outputs: list[torch.Tensor],
-    reduce_inputs: list[torch.Tensor],
+    operands: RegionOperands,
     rows: torch.Tensor | None,
     tile: int,
     bytes_per_token: int,
 ) -> CoupledTiles | None:
     """Tiles of whole coupled groups over ``rows`` (all tokens when ``None``), about ``tile``
     tokens each; ``None`` when the groups are not known or one is too large for a tile."""
-    groups = token_groups(program, outputs, reduce_inputs)
+    groups = token_groups(program, outputs, operands)
     if groups is None:
         return None
     num_tokens = outputs[0].shape[0]
@@ -95,17 +96,17 @@ class _Loop(NamedTuple):
 
     program: _region.RowProgram
     num_tokens: int
-    reduce_inputs: list[torch.Tensor]
+    operands: RegionOperands  # the loss's: its ``reduce`` group, the hidden states' token dims
 
 
 _running = threading.local()
 
 
 @contextlib.contextmanager
-def running(program: _region.RowProgram, num_tokens: int, reduce_inputs: list[torch.Tensor]):
+def running(program: _region.RowProgram, num_tokens: int, operands: RegionOperands):
     """While a coupled loop's tiles run on this thread: what ``tile_pass::tile_tangents`` reads."""
     outer = getattr(_running, "loop", None)
-    _running.loop = _Loop(program, num_tokens, reduce_inputs)
+    _running.loop = _Loop(program, num_tokens, operands)
     try:
         yield
     finally:
@@ -134,7 +135,7 @@ def _tile_tangents(
         whole = out.new_zeros((num_tokens + 1, *out.shape[1:]))
         whole.index_copy_(0, rows, out)
         full.append(whole[:num_tokens])
-    weights = token_weights(loop.program, full, loop.reduce_inputs)
+    weights = token_weights(loop.program, full, loop.operands)
     tangents = []
     for i in which:
         if i not in weights:

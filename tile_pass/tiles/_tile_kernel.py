@@ -37,8 +37,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tile_pass.plan._weight_grad import WeightGradSchedule
+from tile_pass.program._operands import RegionOperands
 
-#: the shape and dtype of a per-token input, without its token dimension
+#: the shape and dtype of an operand, without its token dimension where it has one
 RowPart = tuple[tuple[int, ...], torch.dtype]
 
 
@@ -48,29 +49,38 @@ class TileKernelKey:
 
     program: str
     tile: int
-    hidden_size: int
     vocab_size: int  # the program's (this rank's rows when sharded)
-    hidden_dtype: torch.dtype
-    weight_dtype: torch.dtype
-    bias_dtype: torch.dtype | None
-    token_inputs: tuple[RowPart, ...]  # per-token row part and dtype
-    row_inputs: tuple[RowPart, ...]  # whole shape and dtype
+    #: the tile's operands by group: per-token ones (``hidden``, ``tokens``) by their row part
+    #: (the shape after the token dimension) and dtype, the others whole; no ``reduce`` group
+    operands: RegionOperands[RowPart]
     tangents: tuple[int, ...]  # the outputs that get a tangent (a token weight)
     device: torch.device
-    need_hidden: bool
-    need_weight: bool
-    need_bias: bool
+    #: which operands the tile differentiates (a learnable logit scale, a [V] offset, class
+    #: weights, class-probability targets too); a shared input's gradient is summed over the tiles
+    need: RegionOperands[bool]
     acc_dtype: torch.dtype
     compiled: bool = False
     onednn: bool = False
     weight_grad: WeightGradSchedule = WeightGradSchedule.FLOAT32
-    #: per row input / per-token input: differentiated too (a learnable logit scale, a [V] offset,
-    #: class weights, class-probability targets); row gradients are summed over the tiles
-    need_rows: tuple[bool, ...] = ()
-    need_tokens: tuple[bool, ...] = ()
     #: a tile of whole coupled groups (tile_pass.tiles._coupled_tiles), which evaluates its
     #: tangents itself, at its tokens' positions
     coupled: bool = False
+
+    @property
+    def hidden_size(self) -> int:
+        return self.operands.hidden[0][0]
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        return self.operands.hidden[1]
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.operands.weight[1]
+
+    @property
+    def bias_dtype(self) -> torch.dtype | None:
+        return None if self.operands.bias is None else self.operands.bias[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,29 +98,21 @@ class TileInputs(NamedTuple):
     """What a tile function takes, by name: :class:`TensorSpec` for the tracer, tensors for
     the tile loop. The traced graph takes :meth:`flat`: the fields in order, ``None`` left out."""
 
-    hidden: Input
-    weight: Input
-    bias: Input | None
-    token_inputs: tuple[Input, ...]
-    row_inputs: tuple[Input, ...]
+    operands: RegionOperands[Input]  # hidden and per-token inputs at the tile's rows; no reduce group
     tangents: tuple[Input, ...]  # one per ``TileKernelKey.tangents``
     weight_grad_sum: tuple[Input, ...]  # FLOAT32: the sum; SPLIT: its two planes; DIRECT: none
     bias_grad_sum: Input | None
-    row_grad_sums: tuple[Input, ...] = ()  # one per differentiated row input, in the accumulation dtype
+    shared_grad_sums: tuple[Input, ...] = ()  # one per differentiated shared input, in the accumulation dtype
     coupled: tuple[Input, ...] = ()  # a coupled tile's token positions
 
     def flat(self) -> list[Input]:
         # pytree.tree_leaves order, written out: this runs once per tile
-        flat = [self.hidden, self.weight]
-        if self.bias is not None:
-            flat.append(self.bias)
-        flat += self.token_inputs
-        flat += self.row_inputs
+        flat = [t for t in self.operands.flat() if t is not None]
         flat += self.tangents
         flat += self.weight_grad_sum
         if self.bias_grad_sum is not None:
             flat.append(self.bias_grad_sum)
-        flat += self.row_grad_sums
+        flat += self.shared_grad_sums
         flat += self.coupled
         return flat
 

@@ -1,11 +1,15 @@
-"""A region's row-wise program, run tile by tile, with its gradient derived.
+"""The region ops: a region's row-wise program, run tile by tile, with its gradient derived.
 
-The one tile loop: every rewritten region and :func:`tile_pass.linear_cross_entropy` (whose
-region is the textbook loss, :mod:`tile_pass._textbook`) run here. The tile function is the
-user's own row-wise subgraph (a :class:`~tile_pass.program._region.RowProgram`), with several per-token
-outputs (losses, log-probabilities, log-sum-exps, entropies, ``argmax``), and rows
-returned to the caller. One pass over the tiles computes every output: one logits GEMM per
-tile, however many consumers the logits had.
+What a rewritten graph calls (:func:`run_region`) and the custom ops behind it, with their fake
+kernels and autograd glue; the tiles themselves run in the one tile loop
+(:mod:`tile_pass.tiles._tile_loop`). Every rewritten region and
+:func:`tile_pass.linear_cross_entropy` (whose region is the textbook loss,
+:mod:`tile_pass._textbook`) come here. The tile function is the user's own row-wise subgraph (a
+:class:`~tile_pass.program._region.RowProgram`), with several per-token outputs (losses,
+log-probabilities, log-sum-exps, entropies, ``argmax``), and rows returned to the caller. One
+pass over the tiles computes every output: one logits GEMM per tile, however many consumers the
+logits had. Each op takes the head and its other operands as one flat list, read back by the
+program's group sizes into a :class:`~tile_pass.program._operands.RegionOperands`.
 
 Two custom ops, chosen by the matcher:
 
@@ -20,551 +24,34 @@ Two custom ops, chosen by the matcher:
   with each output's incoming gradient as its tangent (``row_region_backward``), an exact
   vector-Jacobian product for any tangent.
 
-The tiles' gradient comes from ``torch.autograd.grad`` of the program traced by ``make_fx``,
-never from a formula written here.
+The tiles' gradient comes from ``torch.autograd.grad`` of the program traced by ``make_fx``
+(:mod:`tile_pass.tiles._tile_function`), never from a formula written here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-from typing import NamedTuple
 
 import torch
 
 from tile_pass import _distributed
 from tile_pass._logging import log
-from tile_pass.plan import _plan, _weight_grad
 from tile_pass.plan._plan import RegionCall, plan_tiles
-from tile_pass.plan._tiling import TileSize, effective_tile
-from tile_pass.plan._weight_grad import WeightGradSchedule
 from tile_pass.program import _region
+from tile_pass.program._operands import RegionOperands, no_gradient
 from tile_pass.program._region import RowProgram
 from tile_pass.program._token_weights import token_weights
-from tile_pass.tiles import _tile_buffers
-from tile_pass.tiles._coupled_tiles import CoupledTiles, coupled_tiles, positions, running
+from tile_pass.tiles._coupled_tiles import coupled_tiles
 from tile_pass.tiles._higher_order import anchors, refuse_higher_order, scaled_by_upstream
-from tile_pass.tiles._tile_kernel import (
-    TensorSpec,
-    TileInputs,
-    TileKernelKey,
-    differentiable,
-    trace_fake,
-    traced_once,
+from tile_pass.tiles._tile_loop import check_indices, run_tiles, skipped_rows
+from tile_pass.tiles._tile_results import (
+    RegionResult,
+    fake_grads,
+    fake_outputs,
+    grads_as_returned,
+    unflatten,
+    zero_outputs,
 )
-from tile_pass.tiles._tile_passes import finish_tile_graph
-from tile_pass.tiles._tile_passes.onednn_gemms import onednn_gemms_apply
-from tile_pass.tiles._tile_passes.split_accumulation import finish_split
-
-
-def _input_spec(key: TileKernelKey, program: RowProgram) -> TileInputs:
-    """The shapes and dtypes of a tile's inputs, as the tile loop passes them."""
-    T, H, V = key.tile, key.hidden_size, program.vocab_size
-    sum_dtypes = {
-        WeightGradSchedule.SPLIT: (torch.int16, torch.int16),
-        WeightGradSchedule.FLOAT32: (key.acc_dtype,),
-    }
-    return TileInputs(
-        hidden=TensorSpec((T, H), key.hidden_dtype),
-        weight=TensorSpec((V, H), key.weight_dtype),
-        bias=None if key.bias_dtype is None else TensorSpec((V,), key.bias_dtype),
-        token_inputs=tuple(TensorSpec((T, *part), dtype) for part, dtype in key.token_inputs),
-        row_inputs=tuple(TensorSpec(shape, dtype) for shape, dtype in key.row_inputs),
-        tangents=tuple(
-            TensorSpec((T, *_region.row_part(program.outputs[i].layout, V)), program.outputs[i].dtype)
-            for i in (key.tangents if not key.coupled else ())
-        ),
-        weight_grad_sum=tuple(
-            TensorSpec((V, H), d) for d in sum_dtypes.get(key.weight_grad, ()) if key.need_weight
-        ),
-        bias_grad_sum=TensorSpec((V,), key.acc_dtype) if key.need_bias else None,
-        row_grad_sums=tuple(
-            TensorSpec(shape, key.acc_dtype)
-            for (shape, _), need in zip(
-                key.row_inputs, key.need_rows or (False,) * len(key.row_inputs), strict=True
-            )
-            if need
-        ),
-        coupled=(TensorSpec((T,), torch.int64),) if key.coupled else (),
-    )  # fmt: skip
-
-
-def _joint(key: TileKernelKey, program: RowProgram):
-    """``TileInputs -> (*outputs, grad hidden?, grad weight?)``: the program's outputs and the
-    gradients of ``sum(tangent * output)``, the weight's and the bias's added into their sums
-    (the weight's returned under the ``DIRECT`` schedule)."""
-    schedule = key.weight_grad if key.need_weight else None
-
-    need_rows = key.need_rows or (False,) * len(key.row_inputs)
-    need_tokens = key.need_tokens or (False,) * len(key.token_inputs)
-
-    def joint(inputs: TileInputs):
-        with torch.enable_grad():
-            (hidden, weight, bias, *rest), wanted = differentiable(
-                (inputs.hidden, inputs.weight, inputs.bias, *inputs.row_inputs, *inputs.token_inputs),
-                (key.need_hidden, key.need_weight, key.need_bias, *need_rows, *need_tokens),
-            )
-            row_inputs, token_inputs = rest[: len(need_rows)], rest[len(need_rows) :]
-            outputs = _region.run_program(program, hidden, weight, bias, token_inputs, row_inputs)
-            tangents = list(inputs.tangents)
-            if key.coupled and key.tangents:  # evaluated at this tile's own outputs
-                tangents = torch.ops.tile_pass.tile_tangents(
-                    [o.detach() for o in outputs], inputs.coupled[0], list(key.tangents)
-                )
-            grads = [None] * len(wanted)
-            if wanted and key.tangents:
-                grads = torch.autograd.grad(
-                    [outputs[i] for i in key.tangents], wanted, tangents, allow_unused=True
-                )
-        grads = [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wanted, strict=True)]
-        grad_hidden = grads.pop(0) if key.need_hidden else None
-        grad_weight = grads.pop(0) if key.need_weight else None
-        if schedule is WeightGradSchedule.SPLIT:
-            torch.ops.tile_pass.split_accumulate_(*inputs.weight_grad_sum, grad_weight)
-        elif schedule is WeightGradSchedule.FLOAT32:
-            inputs.weight_grad_sum[0].add_(grad_weight)
-        if key.need_bias:
-            inputs.bias_grad_sum.add_(grads.pop(0))
-        for row_sum in inputs.row_grad_sums:
-            row_sum.add_(grads.pop(0))
-        result = [out.detach() for out in outputs]
-        result += [grad_hidden] if grad_hidden is not None else []
-        result += grads  # the per-token inputs' gradients, this tile's rows
-        return (*result, grad_weight) if schedule is WeightGradSchedule.DIRECT else tuple(result)
-
-    return joint
-
-
-def _trace_program_kernel(key: TileKernelKey) -> torch.fx.GraphModule:
-    program = _region.lookup(key.program)
-
-    def trace(key: TileKernelKey) -> torch.fx.GraphModule:
-        return _without_detach(trace_fake(_joint(key, program), _input_spec(key, program), key.device))
-
-    # a coupled tile's tangents read all its rows: its middle cannot run a block of rows at a time
-    retrace = None if key.coupled else lambda rows: trace(dataclasses.replace(key, tile=rows))
-    return finish_tile_graph(trace(key), key, retrace)
-
-
-def _without_detach(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The traced tile with the ``detach`` calls of its intermediate values dropped: one dispatch
-    each per tile. Those of its inputs stay, so nothing in the tile records autograd history even
-    where it runs with grad mode on (its implementation traced by ``make_fx``)."""
-    for node in list(gm.graph.nodes):
-        if (
-            node.op == "call_function"
-            and node.target is torch.ops.aten.detach.default
-            and node.args[0].op != "placeholder"
-        ):
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-    gm.recompile()
-    return gm
-
-
-def _program_kernel(key: TileKernelKey):
-    return traced_once(key, _trace_program_kernel)
-
-
-def _per_tile(kernel):
-    """What the loop calls once per tile: a traced GraphModule's forward, without nn.Module's
-    call machinery (5 us a tile)."""
-    return kernel.forward if isinstance(kernel, torch.fx.GraphModule) else kernel
-
-
-def _check_indices(program: RowProgram, token_inputs: list[torch.Tensor]) -> None:
-    """Raise as eager does for an index outside the vocabulary, where that costs no host sync:
-    on CPU a compiled tile would index out of bounds (and abort); on an accelerator the
-    tiles' device-side checks stand, as eager's do."""
-    for position, message, ignore_index in program.index_checks:
-        index = token_inputs[position]
-        if index.device.type != "cpu" or index.numel() == 0:
-            continue
-        vocab_size = program.shard[2] if program.shard is not None else program.vocab_size
-        bad = (index < 0) | (index >= vocab_size)
-        if ignore_index is not None:
-            bad &= index != ignore_index
-        if bad.any():
-            error = IndexError if message.startswith("Target") else RuntimeError
-            raise error(message.format(int(index[bad][0])))
-
-
-def _skipped_rows(program: RowProgram, token_inputs, hidden, weights: dict | None, values: bool):
-    """The tokens the tiles must run, or ``None`` for all of them: on the CPU (finding them on an
-    accelerator would synchronise with the host), a token is left out where every output the
-    caller needs is zero whatever its logits (``Output.zeros``: an ignored label, a zero mask)
-    or reaches the loss with a zero token weight (``weights``, by output; only outputs read by
-    the loss alone, or any output when ``values`` are not needed). Its outputs are then zero
-    and it adds nothing to any gradient. A product with a zero mask or a zero weight is zero
-    only where the logits are finite, so those skips also need finite hidden states there; and
-    a zero output times a non-finite token weight (a mean over no labelled token) is NaN in
-    eager's gradient, so such a token runs."""
-    if hidden.device.type != "cpu" or hidden.shape[0] == 0:
-        return None
-    skip, exact = None, True
-    for index, out in enumerate(program.outputs):
-        if out.layout == "rows" or (not values and (weights is None or index not in weights)):
-            if out.layout == "rows" and values:
-                return None
-            continue
-        here = None
-        if out.zeros is not None:
-            here, exact_here = out.zeros.tokens(token_inputs)
-            exact = exact and exact_here
-        if weights is not None and index in weights and (out.only_loss or not values):
-            flag = (weights[index].reshape(hidden.shape[0], -1) == 0).all(-1)
-            here, exact = (flag if here is None else here | flag), False
-        if here is None:
-            return None
-        skip = here if skip is None else skip & here
-    if skip is not None and weights:
-        for weight in weights.values():
-            skip &= torch.isfinite(weight.reshape(hidden.shape[0], -1)).all(-1)
-    if skip is None or not skip.any():
-        return None
-    if not exact and not torch.isfinite(hidden[skip]).all():
-        return None  # eager's loss is not finite there, so the tokens stay in
-    return (~skip).nonzero().squeeze(1)
-
-
-class _Need(NamedTuple):
-    """Which inputs a loop differentiates: the head's three, then one flag per row-shared and
-    per-token input. Crosses the op boundary flat (:meth:`flat`), as one ``list[bool]``."""
-
-    hidden: bool
-    weight: bool
-    bias: bool
-    rows: tuple[bool, ...]
-    tokens: tuple[bool, ...]
-
-    @staticmethod
-    def of(flags, num_rows: int, num_tokens: int) -> _Need:
-        flags = tuple(flags) or (False,) * (3 + num_rows + num_tokens)
-        return _Need(*flags[:3], flags[3 : 3 + num_rows], flags[3 + num_rows :])
-
-    def flat(self) -> list[bool]:
-        return [self.hidden, self.weight, self.bias, *self.rows, *self.tokens]
-
-    def any(self) -> bool:
-        return self.hidden or self.weight or self.bias or any(self.rows) or any(self.tokens)
-
-
-NO_GRADIENT = _Need(False, False, False, (), ())
-
-
-def _kernel_key(program, call, tile_plan, hidden, weight, bias, token_inputs, row_inputs, tangents, need):
-    """The traced tile function this loop runs (its full-size tiles)."""
-    return TileKernelKey(
-        program=program.key,
-        tile=tile_plan.tile,
-        hidden_size=hidden.shape[1],
-        vocab_size=program.vocab_size,
-        hidden_dtype=hidden.dtype,
-        weight_dtype=weight.dtype,
-        bias_dtype=None if bias is None else bias.dtype,
-        token_inputs=tuple((tuple(t.shape[1:]), t.dtype) for t in token_inputs),
-        row_inputs=tuple((tuple(r.shape), r.dtype) for r in row_inputs),
-        tangents=tuple(sorted(tangents)) if need.any() else (),
-        device=hidden.device,
-        need_hidden=need.hidden,
-        need_weight=need.weight,
-        need_bias=need.bias,
-        acc_dtype=torch.promote_types(torch.float32, hidden.dtype),  # float64 in, float64 sums: exact checks
-        compiled=call.compile_tiles,
-        onednn=onednn_gemms_apply(hidden.device),
-        weight_grad=tile_plan.schedule,
-        need_rows=need.rows if any(need.rows) else (),
-        need_tokens=need.tokens if any(need.tokens) else (),
-    )
-
-
-@dataclasses.dataclass
-class _Results:
-    """What a loop writes, tile by tile: the outputs and per-token gradients at the tiles' rows,
-    and the sums across tiles (the weight's under its schedule, the bias's, the row inputs')."""
-
-    outputs: list[torch.Tensor] | None
-    grad_hidden: torch.Tensor | None
-    weight_grad_sum: tuple[torch.Tensor, ...]  # FLOAT32: the sum; SPLIT: its two 16-bit planes
-    grad_weight: torch.Tensor | None  # DIRECT: the one tile's own
-    bias_sum: torch.Tensor | None
-    row_sums: tuple[torch.Tensor, ...]
-    token_grads: list[torch.Tensor | None]
-
-    @staticmethod
-    def allocate(
-        program, key, hidden, weight, token_inputs, row_inputs, need, num_tokens, keep_outputs, rows
-    ):
-        make = _tile_buffers.empty if rows is None else _tile_buffers.zeros  # skipped rows stay zero
-        device, acc = hidden.device, key.acc_dtype
-        outputs = [
-            make((hidden.shape[0], *_region.row_part(out.layout, program.vocab_size)), out.dtype, device)
-            for out in program.outputs
-        ] if keep_outputs else None  # fmt: skip
-        whole = rows is None and num_tokens == key.tile  # one unpadded tile: its hidden gradient is final
-        grad_hidden = make(hidden.shape, hidden.dtype, device) if need.hidden and not whole else None
-        weight_grad_sum, grad_weight = (), None
-        schedule = key.weight_grad if need.weight else None
-        if schedule is WeightGradSchedule.SPLIT:  # the float32 sum in two 16-bit planes: 4 bytes per weight
-            weight_grad_sum = _weight_grad.unwritten_planes(weight.shape, weight.device)
-        elif schedule is WeightGradSchedule.DIRECT:  # the only tile forms it (none when no token runs)
-            if not num_tokens:
-                grad_weight = _tile_buffers.zeros(weight.shape, weight.dtype, weight.device)
-        elif need.weight:
-            weight_grad_sum = (_tile_buffers.zeros(weight.shape, acc, weight.device),)
-        return _Results(
-            outputs=outputs,
-            grad_hidden=grad_hidden,
-            weight_grad_sum=weight_grad_sum,
-            grad_weight=grad_weight,
-            bias_sum=weight.new_zeros((program.vocab_size,), dtype=acc) if need.bias else None,
-            row_sums=tuple(
-                r.new_zeros(r.shape, dtype=acc) for r, n in zip(row_inputs, need.rows, strict=True) if n
-            ),
-            token_grads=[
-                _tile_buffers.zeros(t.shape, t.dtype, t.device) if n else None
-                for t, n in zip(token_inputs, need.tokens, strict=True)
-            ],
-        )
-
-    def store(self, result: list, start: int, count: int, picked, num_outputs: int, need: _Need, whole: bool):
-        """One tile's results at its rows (``picked``: the rows a gathered tile ran)."""
-
-        def put(into, value):
-            if picked is None:
-                into[start : start + count] = value[:count]
-            else:
-                into.index_copy_(0, picked, value[:count])
-
-        if self.outputs is not None:
-            for out, value in zip(self.outputs, result, strict=False):
-                put(out, value)
-        if need.hidden:
-            if whole:
-                self.grad_hidden = result[num_outputs]
-            else:
-                put(self.grad_hidden, result[num_outputs])
-        token_results = iter(result[num_outputs + need.hidden :])
-        for grad_sum in (g for g in self.token_grads if g is not None):
-            put(grad_sum, next(token_results))
-
-    def finish(self, program, call, hidden, weight, need: _Need):
-        """(outputs, grad hidden, grad weight, grad bias, row input grads, token input grads)."""
-        grad_weight = self.grad_weight
-        if need.weight and len(self.weight_grad_sum) == 2:  # rounded once into the weight dtype
-            planes = _weight_grad.settle(*self.weight_grad_sum)
-            grad_weight = finish_split(*planes, weight.dtype, call.compile_tiles)
-        elif self.weight_grad_sum:
-            grad_weight = self.weight_grad_sum[0]
-        grad_hidden = self.grad_hidden
-        if need.hidden and grad_hidden is None:  # no token ran
-            grad_hidden = _tile_buffers.zeros(hidden.shape, hidden.dtype, hidden.device)
-        if need.hidden and program.shard is not None:  # each rank holds its shard's share
-            group = torch.distributed.distributed_c10d._resolve_process_group(program.shard[0])
-            torch.distributed.all_reduce(grad_hidden, group=group)
-        row_sums = iter(self.row_sums)
-        row_grads = [next(row_sums) if n else None for n in need.rows]
-        return self.outputs, grad_hidden, grad_weight, self.bias_sum, row_grads, self.token_grads
-
-
-def _tile_rows(hidden, token_inputs, tangents, start: int, count: int, size: int, rows):
-    """One tile's per-token tensors, ``size`` rows: rows ``start:start+count`` of each, or with
-    ``rows`` those rows gathered (one gather per input); padded by a repeat of a real row, with
-    zero tangents. Returns them with the gathered rows (``None`` without ``rows``)."""
-    if rows is None:
-        stop = start + count
-        return (
-            None,
-            _tile_of(hidden, start, stop, size),
-            tuple(_tile_of(t, start, stop, size) for t in token_inputs),
-            tuple(_tile_of(t, start, stop, size, zeros=True) for t in tangents),
-        )
-    picked = rows[start : start + count]
-    gather = _tile_of(picked, 0, count, size)
-    return (
-        picked,
-        hidden.index_select(0, gather),
-        tuple(_tile_buffers.gathered(t, gather, slot) for slot, t in enumerate(token_inputs)),
-        tuple(_tile_of(t.index_select(0, picked), 0, count, size, zeros=True) for t in tangents),
-    )
-
-
-@_tile_buffers.shared()
-def _run_tiles(
-    program: RowProgram,
-    call: RegionCall,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    token_inputs: list[torch.Tensor],
-    row_inputs: list[torch.Tensor],
-    tangents: dict[int, torch.Tensor],
-    need: _Need,
-    keep_outputs: bool = True,
-    rows: torch.Tensor | None = None,
-    coupled: tuple[CoupledTiles, list[torch.Tensor]] | None = None,
-):
-    """Every tile once; returns (outputs, grad hidden, grad weight, grad bias, row input grads,
-    token input grads): each output flat over the tokens, the gradients of
-    ``sum(tangent * output)`` (or ``None``). With ``rows`` (see :func:`_skipped_rows`) only those
-    tokens run, each tile gathering its rows; the others' outputs and per-token gradients are zero.
-    With ``coupled`` (tiles of whole coupled groups and the loss's inputs), the tiles run in its
-    order and bounds and evaluate the tangents of the differentiable outputs themselves."""
-    need = need._replace(
-        rows=need.rows or (False,) * len(row_inputs), tokens=need.tokens or (False,) * len(token_inputs)
-    )
-    if program.bias_added and bias is not None and bias.dtype in (torch.float16, torch.bfloat16):
-        bias = bias.float()  # see run_program: its gradient then is not rounded once per tile
-    # the traced tiles assume contiguous slices; a derived token weight can be a broadcast scalar
-    tangents = {i: t.contiguous() for i, t in tangents.items()}
-    token_inputs = [t.contiguous() for t in token_inputs]
-    rows, key, bounds = _loop_plan(
-        program, call, hidden, weight, bias, token_inputs, row_inputs, tangents, need, rows, coupled
-    )
-    num_tokens = hidden.shape[0] if rows is None else rows.numel()
-    tile = key.tile
-    out = _Results.allocate(program, key, hidden, weight, token_inputs, row_inputs, need, num_tokens,
-                            keep_outputs, rows)  # fmt: skip
-    split = need.weight and key.weight_grad is WeightGradSchedule.SPLIT
-    direct = need.weight and key.weight_grad is WeightGradSchedule.DIRECT
-    whole = rows is None and num_tokens == tile
-    row_inputs = tuple(row_inputs)
-    tangent_list = [tangents[i] for i in key.tangents] if coupled is None else []
-    kernel = _per_tile(_program_kernel(key)) if num_tokens else None  # no tile, no trace (an empty batch)
-    kernel_size = key.tile
-    loop = contextlib.nullcontext() if coupled is None else running(program, hidden.shape[0], coupled[1])
-    with loop:
-        for start, count in bounds:
-            size = tile if count == tile else effective_tile(count, TileSize(tile))  # a short tile: padded
-            if size != kernel_size:
-                kernel, kernel_size = _per_tile(_program_kernel(dataclasses.replace(key, tile=size))), size
-            picked, hidden_tile, token_tiles, tangent_tiles = _tile_rows(
-                hidden, token_inputs, tangent_list, start, count, size, rows
-            )
-            inputs = TileInputs(
-                hidden=hidden_tile,
-                weight=weight,
-                bias=bias,
-                token_inputs=token_tiles,
-                row_inputs=row_inputs,
-                tangents=tangent_tiles,
-                weight_grad_sum=out.weight_grad_sum,
-                bias_grad_sum=out.bias_sum,
-                row_grad_sums=out.row_sums,
-                coupled=() if coupled is None else (positions(picked, size),),
-            )
-            last = split and start + count == num_tokens  # the last add of a split sum rounds it
-            with _weight_grad.last_add(out.weight_grad_sum[0]) if last else contextlib.nullcontext():
-                result = list(kernel(*inputs.flat()))
-            if direct:
-                out.grad_weight = result.pop()
-            out.store(result, start, count, picked, len(program.outputs), need, whole)
-            del inputs, result, hidden_tile, token_tiles, tangent_tiles  # before the next tile's are made
-    return out.finish(program, call, hidden, weight, need)
-
-
-def _loop_plan(program, call, hidden, weight, bias, token_inputs, row_inputs, tangents, need, rows, coupled):
-    """``(rows, kernel key, tile bounds)`` of one loop: the plan's tiles in token order, or a
-    coupled loop's whole groups in its own order (its kernel evaluating its tangents)."""
-    if coupled is not None:
-        rows = coupled[0].order
-    num_tokens = hidden.shape[0] if rows is None else rows.numel()
-    tile_plan = plan_tiles(
-        num_tokens, hidden.shape[0], call.tile, weight.shape, weight.dtype, weight.device, call.compile_tiles,
-        need.weight,
-    )  # fmt: skip
-    if coupled is not None:
-        tile_plan = dataclasses.replace(tile_plan, tile=coupled[0].tile, coupled=len(coupled[0].bounds))
-    _plan.ran(tile_plan)
-    key = _kernel_key(
-        program, call, tile_plan, hidden, weight, bias, token_inputs, row_inputs, tangents, need
-    )
-    if coupled is None:
-        tile = key.tile
-        return rows, key, [(start, min(tile, num_tokens - start)) for start in range(0, num_tokens, tile)]
-    diff = tuple(i for i, out in enumerate(program.outputs) if out.differentiable)
-    key = dataclasses.replace(key, tangents=diff if need.any() else (), coupled=True)
-    return rows, key, coupled[0].bounds
-
-
-def _tile_of(t: torch.Tensor, start: int, stop: int, size: int, zeros: bool = False) -> torch.Tensor:
-    """Rows ``start:stop`` of ``t``, padded to ``size`` rows. Padding rows repeat a real row
-    (finite wherever the data is) and get a zero tangent (``zeros``), so they add exactly
-    nothing to any gradient sum."""
-    t = t[start:stop]
-    if t.shape[0] == size:
-        return t
-    missing = size - t.shape[0]
-    pad = t.new_zeros((missing, *t.shape[1:])) if zeros else t[:1].expand(missing, *t.shape[1:])
-    return torch.cat([t, pad])
-
-
-def _zero_outputs(program: RowProgram, hidden: torch.Tensor) -> list[torch.Tensor]:
-    """Zeros of the outputs' shapes and dtypes, one broadcast element each: a returned logits
-    output would otherwise cost a whole ``[N, V]`` buffer only to stand for "any value"."""
-    return [
-        torch.zeros((), dtype=out.dtype, device=hidden.device).expand(
-            hidden.shape[0], *_region.row_part(out.layout, program.vocab_size)
-        )
-        for out in program.outputs
-    ]
-
-
-def _fake_outputs(program: RowProgram, hidden: torch.Tensor) -> list[torch.Tensor]:
-    return [
-        hidden.new_empty(
-            (hidden.shape[0], *_region.row_part(out.layout, program.vocab_size)), dtype=out.dtype
-        )
-        for out in program.outputs
-    ]
-
-
-class RegionResult(NamedTuple):
-    """A region op's flat list of tensors, by name: what :func:`_flat_result` lays out and
-    :func:`unflatten` reads back (a custom op returns one ``list[Tensor]``)."""
-
-    loss: torch.Tensor | None
-    grads: list[torch.Tensor]  # hidden, weight, bias, then per row input, then per token input
-    outputs: list[torch.Tensor]
-
-
-def unflatten(flat: list[torch.Tensor], num_grads: int, loss: bool) -> RegionResult:
-    """Read a region op's result: ``[loss?, *grads(num_grads), *outputs]``."""
-    head = 1 if loss else 0
-    return RegionResult(flat[0] if loss else None, list(flat[head : head + num_grads]),
-                        list(flat[head + num_grads :]))  # fmt: skip
-
-
-def _flat_result(result: RegionResult) -> list[torch.Tensor]:
-    return [*([result.loss] if result.loss is not None else []), *result.grads, *result.outputs]
-
-
-def _grads_as_returned(hidden, weight, bias, token_inputs, row_inputs, grads) -> list[torch.Tensor]:
-    """The gradients an op returns, one per input in :class:`_Need` order, in the inputs' dtypes
-    (a row input's is summed over the tiles in float32 or float64); an empty tensor where one is
-    not needed (a custom op returns tensors)."""
-    grad_h, grad_w, grad_b, row_grads, token_grads = grads
-    inputs = [hidden, weight, bias, *row_inputs, *token_inputs]
-    given = [grad_h, grad_w, grad_b, *row_grads, *token_grads]
-    return [
-        g.to(t.dtype)
-        if g is not None and g.dtype != t.dtype
-        else g
-        if g is not None
-        else weight.new_empty((0,))
-        for t, g in zip(inputs, given, strict=True)
-    ]
-
-
-def _fake_grads(hidden, weight, bias, token_inputs, row_inputs, need: _Need) -> list[torch.Tensor]:
-    """As :func:`_grads_as_returned` returns them: contiguous, whatever the inputs' layout (a
-    transposed weight's gradient is the contiguous ``[V, H]`` sum the tiles form)."""
-    inputs = [hidden, weight, bias, *row_inputs, *token_inputs]
-    return [
-        t.new_empty(t.shape) if n else weight.new_empty((0,))
-        for t, n in zip(inputs, need.flat(), strict=True)
-    ]
 
 
 def _resolved(call: str) -> tuple[RegionCall, RowProgram]:
@@ -573,8 +60,24 @@ def _resolved(call: str) -> tuple[RegionCall, RowProgram]:
     return plan, _region.lookup(plan.program)
 
 
-def _need(need: list[bool], row_inputs, token_inputs) -> _Need:
-    return _Need.of(need, len(row_inputs), len(token_inputs))
+def _given(region: RowProgram, hidden, weight, bias, operands: list) -> RegionOperands:
+    """An op's arguments as the record its program's group sizes read them as."""
+    return RegionOperands.unflatten([hidden, weight, bias, *operands], region.counts)
+
+
+def _need(flags: list[bool], region: RowProgram) -> RegionOperands[bool]:
+    """An op's ``need`` flags by operand (an empty list: nothing is differentiated)."""
+    return RegionOperands.unflatten(flags, region.counts) if flags else no_gradient(region.counts)
+
+
+def _flat_tokens(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
+
+
+def _tiled(given: RegionOperands) -> RegionOperands:
+    """The operands as the tiles take them: the hidden states flat over the tokens (the ops take
+    them as the graph shapes them; the scalar loss reads their token dimensions)."""
+    return given._replace(hidden=_flat_tokens(given.hidden))
 
 
 # ------------------------------------------------------------------------- scalar loss
@@ -585,98 +88,95 @@ def _row_region_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    token_inputs: list[torch.Tensor],
-    row_inputs: list[torch.Tensor],
-    reduce_inputs: list[torch.Tensor],
+    operands: list[torch.Tensor],
     *,
     call: str,
     need: list[bool],
 ) -> list[torch.Tensor]:
     """``[loss, *grads, *outputs]`` (see :class:`RegionResult`): the gradients of the loss at
-    unit upstream gradient, one per input in :class:`_Need` order (empty where not needed), the
-    outputs flat over the tokens."""
+    unit upstream gradient, the needed ones in :meth:`RegionOperands.flat` order, the outputs flat
+    over the tokens. ``operands``: the groups after the head, flat."""
     plan, region = _resolved(call)
-    _check_indices(region, token_inputs)
-    need = _need(need, row_inputs, token_inputs)
+    given = _given(region, hidden, weight, bias, operands)
+    tiled = _tiled(given)
+    check_indices(region, tiled.tokens)
+    need = _need(need, region)
     if region.reduction.linear:
         # the token weights: d loss / d output, independent of the outputs (a linear reduction)
-        tangents = token_weights(region, _zero_outputs(region, hidden), reduce_inputs)
-        rows = _skipped_rows(region, token_inputs, hidden, tangents, values=True)
-        outputs, *grads = _run_tiles(
-            region, plan, hidden, weight, bias, token_inputs, row_inputs, tangents, need, rows=rows
-        )
+        tangents = token_weights(region, zero_outputs(region, tiled.hidden.shape[0], hidden.device), given)
+        rows = skipped_rows(region, tiled, tangents, values=True)
+        outputs, grads = run_tiles(region, plan, tiled, tangents, need, rows=rows)
     else:
-        outputs, *grads = _nonlinear_loss_tiles(
-            region, plan, hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, need
-        )
+        outputs, grads = _nonlinear_loss_tiles(region, plan, given, need)
     with _region.dispatch_as_caller():
-        loss = _region.run_reduction(region.reduction, outputs, reduce_inputs, hidden.device.type)
-    grads = _grads_as_returned(hidden, weight, bias, token_inputs, row_inputs, grads)
-    return _flat_result(RegionResult(loss, grads, outputs))
+        loss = _region.run_reduction(region.reduction, outputs, given, hidden.device.type)
+    return RegionResult(loss, grads_as_returned(given, grads, need), outputs).flat()
 
 
-def _nonlinear_loss_tiles(region, plan, hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, need):
+def _nonlinear_loss_tiles(region: RowProgram, plan: RegionCall, given: RegionOperands, need):
     """The tiles of a loss nonlinear in the outputs: whole coupled groups per tile where their
     sizes allow, each tile evaluating ``d loss / d output`` at its own outputs (three GEMMs per
     token); otherwise the outputs first and the gradient at them in a second pass (four)."""
-    head = (region, plan, hidden, weight, bias, token_inputs, row_inputs)
-    rows = _skipped_rows(region, token_inputs, hidden, None, values=True)
+    tiled, nothing = _tiled(given), no_gradient(region.counts)
+    rows = skipped_rows(region, tiled, None, values=True)
     if not need.any():
-        return _run_tiles(*head, {}, NO_GRADIENT, rows=rows)
+        return run_tiles(region, plan, tiled, {}, nothing, rows=rows)
+    hidden, weight = tiled.hidden, tiled.weight
     num_rows = hidden.shape[0] if rows is None else rows.numel()
     tile_plan = plan_tiles(
         num_rows, hidden.shape[0], plan.tile, weight.shape, weight.dtype, weight.device, plan.compile_tiles,
         need.weight,
     )  # fmt: skip
-    shapes = _zero_outputs(region, hidden)
-    tiles = coupled_tiles(region, shapes, reduce_inputs, rows, tile_plan.tile, tile_plan.bytes_per_token)
+    shapes = zero_outputs(region, hidden.shape[0], hidden.device)
+    tiles = coupled_tiles(region, shapes, given, rows, tile_plan.tile, tile_plan.bytes_per_token)
     how = "tiles of whole coupled groups" if tiles is not None else "two passes over the tiles"
     log.debug("%s: a loss nonlinear in the outputs, %s", region.key, how)
     if tiles is not None:
-        result = _run_tiles(*head, {}, need, coupled=(tiles, list(reduce_inputs)))
-        if rows is None or _finite_where_skipped(region, result[0], reduce_inputs, rows):
+        result = run_tiles(region, plan, tiled, {}, need, coupled=tiles, loss_operands=given)
+        if rows is None or _finite_where_skipped(region, result[0], given, rows):
             return result
         # a token left out reaches the loss with a non-finite weight: in eager its gradient is
         # NaN (zero times NaN), so every token runs
-        tiles = coupled_tiles(region, shapes, reduce_inputs, None, tile_plan.tile, tile_plan.bytes_per_token)
-        return _run_tiles(*head, {}, need, coupled=(tiles, list(reduce_inputs)))
-    outputs, *_ = _run_tiles(*head, {}, NO_GRADIENT, rows=rows)
-    tangents = token_weights(region, outputs, reduce_inputs)
-    rows = _skipped_rows(region, token_inputs, hidden, tangents, values=False)
-    _, *grads = _run_tiles(*head, tangents, need, keep_outputs=False, rows=rows)
-    return (outputs, *grads)
+        tiles = coupled_tiles(region, shapes, given, None, tile_plan.tile, tile_plan.bytes_per_token)
+        return run_tiles(region, plan, tiled, {}, need, coupled=tiles, loss_operands=given)
+    outputs, _ = run_tiles(region, plan, tiled, {}, nothing, rows=rows)
+    tangents = token_weights(region, outputs, given)
+    rows = skipped_rows(region, tiled, tangents, values=False)
+    _, grads = run_tiles(region, plan, tiled, tangents, need, keep_outputs=False, rows=rows)
+    return outputs, grads
 
 
-def _finite_where_skipped(region, outputs, reduce_inputs, rows) -> bool:
+def _finite_where_skipped(region, outputs, given: RegionOperands, rows) -> bool:
     """Whether ``d loss / d output`` is finite at every token the tiles left out."""
     skipped = torch.ones(outputs[0].shape[0], dtype=torch.bool, device=outputs[0].device)
     skipped[rows] = False
-    weights = token_weights(region, outputs, reduce_inputs)
+    weights = token_weights(region, outputs, given)
     return all(bool(torch.isfinite(w.expand(outputs[i].shape)[skipped]).all()) for i, w in weights.items())
 
 
 @_row_region_loss.register_fake
-def _(hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, *, call, need):
+def _(hidden, weight, bias, operands, *, call, need):
     region = _resolved(call)[1]
     loss = hidden.new_empty((), dtype=region.reduction.dtype)
-    grads = _fake_grads(hidden, weight, bias, token_inputs, row_inputs, _need(need, row_inputs, token_inputs))
-    return _flat_result(RegionResult(loss, grads, _fake_outputs(region, hidden)))
+    given = _given(region, hidden, weight, bias, operands)
+    return RegionResult(
+        loss, fake_grads(given, _need(need, region)), fake_outputs(region, _flat_tokens(hidden))
+    ).flat()
 
 
 def _loss_setup_context(ctx, inputs, keyword_only_inputs, output):
-    hidden, weight, bias, token_inputs, row_inputs, reduce_inputs = inputs
-    ctx.need = _need(keyword_only_inputs["need"], row_inputs, token_inputs)
-    ctx.counts = (len(token_inputs), len(row_inputs), len(reduce_inputs))
     ctx.call = keyword_only_inputs["call"]
     region = _resolved(ctx.call)[1]
-    result = unflatten(output, len(ctx.need.flat()), loss=True)
+    given = _given(region, *inputs)
+    ctx.need = _need(keyword_only_inputs["need"], region)
+    result = unflatten(output, ctx.need, loss=True)
     # outputs read outside the loss too (a metric of the logits): differentiable, their gradient
     # the tiles' re-run in backward, only where one arrives
     ctx.diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
     ctx.free = [i for i in ctx.diff if not region.outputs[i].only_loss]
-    kept = (hidden, weight, bias, *token_inputs, *row_inputs) if ctx.free else ()
+    kept = given.flat() if ctx.free else ()
     ctx.num_kept = len(kept)
-    ctx.save_for_backward(*result.grads, *kept, *anchors(hidden, weight, bias, *row_inputs, *token_inputs))
+    ctx.save_for_backward(*result.grads, *kept, *anchors(*given.flat()))
     ctx.mark_non_differentiable(*(o for i, o in enumerate(result.outputs) if i not in ctx.free))
     ctx.set_materialize_grads(False)
 
@@ -685,32 +185,34 @@ def _loss_vjp(ctx, grads):
     # Glue, not a gradient formula: the gradients were derived in forward at unit upstream
     # gradient; the loss is a scalar, so the chain rule scales them by the incoming gradient.
     saved = ctx.saved_tensors
-    need = ctx.need.flat()
-    num_grads = len(need)
+    num_grads = sum(ctx.need.flat())
     loss_grads, kept = saved[:num_grads], saved[num_grads : num_grads + ctx.num_kept]
     anchored = saved[num_grads + ctx.num_kept :]
-    tokens, rows, reduce = ctx.counts
     if grads[0] is not None:
-        scaled = scaled_by_upstream(loss_grads, grads[0], need, anchored)
+        scaled = scaled_by_upstream(loss_grads, grads[0], [True] * num_grads, anchored)
     else:
         refuse_higher_order()
         scaled = [None] * num_grads
+    scaled = ctx.need.picked(scaled)
     outputs = grads[1 + num_grads :]
     arrived = [i for i in ctx.free if outputs[i] is not None]
     if arrived:  # the outputs' own gradients: a re-run of the tiles, as the per-token op's backward
+        region = _resolved(ctx.call)[1]
         hidden, weight, bias, *rest = kept
-        token_inputs, row_inputs = list(rest[:tokens]), list(rest[tokens:])
-        zeros = _zero_outputs(_resolved(ctx.call)[1], hidden)
+        zeros = zero_outputs(region, _flat_tokens(hidden).shape[0], hidden.device)
         tangents = [outputs[i] if i in arrived else zeros[i] for i in ctx.diff]
-        more = _row_region_backward(
-            tangents, hidden, weight, bias, token_inputs, row_inputs, call=ctx.call, need=need
+        more = ctx.need.picked(_row_region_backward(
+            tangents, hidden, weight, bias, rest, call=ctx.call, need=ctx.need.flat()
+        ))  # fmt: skip
+        scaled = RegionOperands.unflatten(
+            [
+                a if b is None else b if a is None else a + b
+                for a, b in zip(scaled.flat(), more.flat(), strict=True)
+            ],
+            scaled.counts,
         )
-        scaled = [
-            (a if b is None or not n else b if a is None else a + b)
-            for a, b, n in zip(scaled, more, need, strict=True)
-        ]
-    row_grads, token_grads = scaled[3 : 3 + rows], scaled[3 + rows :]
-    return (*scaled[:3], list(token_grads), list(row_grads), [None] * reduce)
+    grad_hidden, grad_weight, grad_bias, *rest = scaled.flat()
+    return grad_hidden, grad_weight, grad_bias, rest
 
 
 _row_region_loss.register_autograd(_loss_vjp, setup_context=_loss_setup_context)
@@ -724,24 +226,22 @@ def _row_region(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    token_inputs: list[torch.Tensor],
-    row_inputs: list[torch.Tensor],
+    operands: list[torch.Tensor],
     *,
     call: str,
 ) -> list[torch.Tensor]:
     """The outputs, flat over the tokens; nothing is differentiated in forward."""
     plan, region = _resolved(call)
-    _check_indices(region, token_inputs)
-    rows = _skipped_rows(region, token_inputs, hidden, None, values=True)
-    outputs, *_ = _run_tiles(
-        region, plan, hidden, weight, bias, token_inputs, row_inputs, {}, NO_GRADIENT, rows=rows
-    )
+    tiled = _tiled(_given(region, hidden, weight, bias, operands))
+    check_indices(region, tiled.tokens)
+    rows = skipped_rows(region, tiled, None, values=True)
+    outputs, _ = run_tiles(region, plan, tiled, {}, no_gradient(region.counts), rows=rows)
     return outputs
 
 
 @_row_region.register_fake
-def _(hidden, weight, bias, token_inputs, row_inputs, *, call):
-    return _fake_outputs(_resolved(call)[1], hidden)
+def _(hidden, weight, bias, operands, *, call):
+    return fake_outputs(_resolved(call)[1], _flat_tokens(hidden))
 
 
 @torch.library.custom_op("tile_pass::row_region_backward", mutates_args=())
@@ -750,39 +250,34 @@ def _row_region_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    token_inputs: list[torch.Tensor],
-    row_inputs: list[torch.Tensor],
+    operands: list[torch.Tensor],
     *,
     call: str,
     need: list[bool],
 ) -> list[torch.Tensor]:
-    """The vector-Jacobian product for the differentiable outputs' ``tangents`` (in order): one
-    gradient per input in :class:`_Need` order."""
+    """The vector-Jacobian product for the differentiable outputs' ``tangents`` (in order): the
+    needed gradients in :meth:`RegionOperands.flat` order."""
     plan, region = _resolved(call)
+    given = _given(region, hidden, weight, bias, operands)
+    tiled, need = _tiled(given), _need(need, region)
     diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
     tangents = dict(zip(diff, tangents, strict=True))
-    rows = _skipped_rows(region, token_inputs, hidden, tangents, values=False)
-    _, *grads = _run_tiles(
-        region, plan, hidden, weight, bias, token_inputs, row_inputs, tangents,
-        _need(need, row_inputs, token_inputs), keep_outputs=False, rows=rows,
-    )  # fmt: skip
-    return _grads_as_returned(hidden, weight, bias, token_inputs, row_inputs, grads)
+    rows = skipped_rows(region, tiled, tangents, values=False)
+    _, grads = run_tiles(region, plan, tiled, tangents, need, keep_outputs=False, rows=rows)
+    return grads_as_returned(given, grads, need)
 
 
 @_row_region_backward.register_fake
-def _(tangents, hidden, weight, bias, token_inputs, row_inputs, *, call, need):
-    return _fake_grads(hidden, weight, bias, token_inputs, row_inputs, _need(need, row_inputs, token_inputs))
+def _(tangents, hidden, weight, bias, operands, *, call, need):
+    region = _resolved(call)[1]
+    return fake_grads(_given(region, hidden, weight, bias, operands), _need(need, region))
 
 
 def _region_setup_context(ctx, inputs, keyword_only_inputs, output):
-    hidden, weight, bias, token_inputs, row_inputs = inputs
+    hidden, weight, bias, operands = inputs
     ctx.call = keyword_only_inputs["call"]
-    ctx.counts = (len(token_inputs), len(row_inputs))
-    ctx.input_needs = (
-        tuple(r.requires_grad for r in row_inputs),
-        tuple(t.requires_grad for t in token_inputs),
-    )
-    ctx.save_for_backward(hidden, weight, bias, *token_inputs, *row_inputs)
+    ctx.operands_need = tuple(t.requires_grad for t in operands)
+    ctx.save_for_backward(hidden, weight, bias, *operands)
     ctx.region = region = _resolved(ctx.call)[1]
     ctx.diff = [i for i, out in enumerate(region.outputs) if out.differentiable]
     ctx.mark_non_differentiable(*[o for i, o in enumerate(output) if i not in ctx.diff])
@@ -790,22 +285,16 @@ def _region_setup_context(ctx, inputs, keyword_only_inputs, output):
 
 def _region_vjp(ctx, grads):
     # The incoming per-token gradients become the tangents of a re-run of the tiles, whose
-    # gradient is derived (see _joint): an exact vector-Jacobian product.
+    # gradient is derived (see _tile_function._joint): an exact vector-Jacobian product.
     refuse_higher_order()
-    hidden, weight, bias, *rest = ctx.saved_tensors
-    token_inputs, row_inputs = rest[: ctx.counts[0]], rest[ctx.counts[0] :]
+    hidden, weight, bias, *operands = ctx.saved_tensors
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    need = _Need(need_h, need_w, need_b and bias is not None, *ctx.input_needs)
-    zeros = _zero_outputs(ctx.region, hidden)  # for the outputs whose gradient is unused
+    need = _need([need_h, need_w, need_b and bias is not None, *ctx.operands_need], ctx.region)
+    zeros = zero_outputs(ctx.region, _flat_tokens(hidden).shape[0], hidden.device)  # for unused outputs
     tangents = [grads[i] if grads[i] is not None else zeros[i] for i in ctx.diff]
-    result = _row_region_backward(
-        tangents, hidden, weight, bias, list(token_inputs), list(row_inputs), call=ctx.call, need=need.flat()
-    )
-    grad_h, grad_w, grad_b, *input_grads = (
-        g if n else None for g, n in zip(result, need.flat(), strict=True)
-    )
-    rows = ctx.counts[1]
-    return grad_h, grad_w, grad_b, input_grads[rows:], input_grads[:rows]
+    result = _row_region_backward(tangents, hidden, weight, bias, operands, call=ctx.call, need=need.flat())
+    grad_hidden, grad_weight, grad_bias, *rest = need.picked(result).flat()
+    return grad_hidden, grad_weight, grad_bias, rest
 
 
 _row_region.register_autograd(_region_vjp, setup_context=_region_setup_context)
@@ -815,35 +304,27 @@ def run_region(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    token_inputs: list[torch.Tensor],
-    row_inputs: list[torch.Tensor],
-    reduce_inputs: list[torch.Tensor],
+    operands: list[torch.Tensor],
     *,
     call: str,
 ) -> list[torch.Tensor]:
     """What the rewritten graph calls: the region's outputs (flat over the tokens), preceded
-    by its scalar loss when the program has one. ``call``: a :class:`RegionCall`'s key. A
-    vocabulary-sharded DTensor head runs the same op on this rank's local pieces."""
+    by its scalar loss when the program has one. ``operands``: the groups after the head of a
+    :class:`RegionOperands`, flat; ``call``: a :class:`RegionCall`'s key. A vocabulary-sharded
+    DTensor head runs the same op on this rank's local pieces."""
     if hasattr(weight, "device_mesh"):  # a DTensor head
         return _distributed.on_local_shards(
-            functools.partial(run_region, call=call), hidden, weight, bias, token_inputs, row_inputs,
-            reduce_inputs,
-        )  # fmt: skip
-    hidden = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
+            functools.partial(run_region, call=call), hidden, weight, bias, operands
+        )
     region = _resolved(call)[1]
     if region.reduction is None:
-        return _row_region(hidden, weight, bias, token_inputs, row_inputs, call=call)
+        return _row_region(hidden, weight, bias, operands, call=call)
     grad_on = torch.is_grad_enabled()
-    need = _Need(
-        grad_on and hidden.requires_grad,
-        grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad,
-        tuple(grad_on and r.requires_grad for r in row_inputs),
-        tuple(grad_on and t.requires_grad for t in token_inputs),
-    )
-    flat = _row_region_loss(
-        hidden, weight, bias, token_inputs, row_inputs, reduce_inputs, call=call,
-        need=need.flat() if need.any() else [],
-    )  # fmt: skip
-    result = unflatten(flat, 3 + len(row_inputs) + len(token_inputs), loss=True)
+    given = _given(region, hidden, weight, bias, operands)
+    need = RegionOperands.unflatten(
+        [grad_on and t is not None and t.requires_grad for t in given.flat()], region.counts
+    )._replace(reduce=(False,) * region.counts.reduce)  # the loss's own inputs need no gradient
+    flags = need.flat() if need.any() else []
+    flat = _row_region_loss(hidden, weight, bias, operands, call=call, need=flags)
+    result = unflatten(flat, _need(flags, region), loss=True)
     return [result.loss, *result.outputs]

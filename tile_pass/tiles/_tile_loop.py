@@ -1,0 +1,248 @@
+"""The one tile loop: every tile of a region once, the traced tile function on each.
+
+Every region op (:mod:`tile_pass.tiles.tiled_region`) runs its tiles here. :func:`run_tiles`
+reads as its schedule: plan the loop, allocate what it writes, then per tile take its rows,
+run the tile function (:mod:`tile_pass.tiles._tile_function`) and store its rows; finish the
+sums. What may be left out of it is decided before it (:func:`skipped_rows`), on the CPU only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from tile_pass.plan import _plan, _weight_grad
+from tile_pass.plan._plan import RegionCall, TilePlan, plan_tiles
+from tile_pass.plan._weight_grad import WeightGradSchedule
+from tile_pass.program._operands import RegionOperands
+from tile_pass.program._region import RowProgram
+from tile_pass.tiles import _tile_buffers, _tile_function
+from tile_pass.tiles._coupled_tiles import CoupledTiles, positions, running
+from tile_pass.tiles._tile_kernel import TileInputs, TileKernelKey
+from tile_pass.tiles._tile_passes.onednn_gemms import onednn_gemms_apply
+from tile_pass.tiles._tile_results import TileResults
+
+
+def check_indices(program: RowProgram, tokens: tuple[torch.Tensor, ...]) -> None:
+    """Raise as eager does for an index outside the vocabulary, where that costs no host sync:
+    on CPU a compiled tile would index out of bounds (and abort); on an accelerator the
+    tiles' device-side checks stand, as eager's do. ``tokens``: the per-token operands."""
+    for position, message, ignore_index in program.index_checks:
+        index = tokens[position]
+        if index.device.type != "cpu" or index.numel() == 0:
+            continue
+        vocab_size = program.shard[2] if program.shard is not None else program.vocab_size
+        bad = (index < 0) | (index >= vocab_size)
+        if ignore_index is not None:
+            bad &= index != ignore_index
+        if bad.any():
+            error = IndexError if message.startswith("Target") else RuntimeError
+            raise error(message.format(int(index[bad][0])))
+
+
+def skipped_rows(program: RowProgram, operands: RegionOperands, weights: dict | None, values: bool):
+    """The tokens the tiles must run, or ``None`` for all of them: on the CPU (finding them on an
+    accelerator would synchronise with the host), a token is left out where every output the
+    caller needs is zero whatever its logits (``Output.zeros``: an ignored label, a zero mask)
+    or reaches the loss with a zero token weight (``weights``, by output; only outputs read by
+    the loss alone, or any output when ``values`` are not needed). Its outputs are then zero
+    and it adds nothing to any gradient. A product with a zero mask or a zero weight is zero
+    only where the logits are finite, so those skips also need finite hidden states there; and
+    a zero output times a non-finite token weight (a mean over no labelled token) is NaN in
+    eager's gradient, so such a token runs. ``operands.hidden``: flat over the tokens."""
+    hidden = operands.hidden
+    if hidden.device.type != "cpu" or hidden.shape[0] == 0:
+        return None
+    skip, exact = None, True
+    for index, out in enumerate(program.outputs):
+        if out.layout == "rows" or (not values and (weights is None or index not in weights)):
+            if out.layout == "rows" and values:
+                return None
+            continue
+        here = None
+        if out.zeros is not None:
+            here, exact_here = out.zeros.tokens(operands.tokens)
+            exact = exact and exact_here
+        if weights is not None and index in weights and (out.only_loss or not values):
+            flag = (weights[index].reshape(hidden.shape[0], -1) == 0).all(-1)
+            here, exact = (flag if here is None else here | flag), False
+        if here is None:
+            return None
+        skip = here if skip is None else skip & here
+    if skip is not None and weights:
+        for weight in weights.values():
+            skip &= torch.isfinite(weight.reshape(hidden.shape[0], -1)).all(-1)
+    if skip is None or not skip.any():
+        return None
+    if not exact and not torch.isfinite(hidden[skip]).all():
+        return None  # eager's loss is not finite there, so the tokens stay in
+    return (~skip).nonzero().squeeze(1)
+
+
+def _kernel_key(program: RowProgram, call: RegionCall, tile_plan: TilePlan, operands: RegionOperands,
+                tangents, need: RegionOperands[bool]) -> TileKernelKey:  # fmt: skip
+    """The traced tile function this loop runs (its full-size tiles): per-token operands by
+    their row part, the others whole; the tiles take no ``reduce`` group."""
+    in_tile = operands._replace(reduce=())
+    parts = in_tile.map(lambda t: (tuple(t.shape), t.dtype))
+    hidden = operands.hidden
+    return TileKernelKey(
+        program=program.key,
+        tile=tile_plan.tile,
+        vocab_size=program.vocab_size,
+        operands=parts._replace(
+            hidden=(tuple(hidden.shape[1:]), hidden.dtype),
+            tokens=tuple((tuple(t.shape[1:]), t.dtype) for t in operands.tokens),
+        ),
+        tangents=tuple(sorted(tangents)) if need.any() else (),
+        device=hidden.device,
+        need=need._replace(reduce=()),
+        acc_dtype=torch.promote_types(torch.float32, hidden.dtype),  # float64 in, float64 sums: exact checks
+        compiled=call.compile_tiles,
+        onednn=onednn_gemms_apply(hidden.device),
+        weight_grad=tile_plan.schedule,
+    )
+
+
+def _tile_rows(operands: RegionOperands, tangents, start: int, count: int, size: int, rows):
+    """One tile's operands, its per-token ones at ``size`` rows: rows ``start:start+count`` of
+    each, or with ``rows`` those rows gathered (one gather per input); padded by a repeat of a
+    real row, with zero tangents. Returns the gathered rows (``None`` without ``rows``), the
+    tile's operands (no ``reduce`` group) and its tangents."""
+    if rows is None:
+        stop = start + count
+        return (
+            None,
+            operands._replace(
+                hidden=_tile_of(operands.hidden, start, stop, size),
+                tokens=tuple(_tile_of(t, start, stop, size) for t in operands.tokens),
+                reduce=(),
+            ),
+            tuple(_tile_of(t, start, stop, size, zeros=True) for t in tangents),
+        )
+    picked = rows[start : start + count]
+    gather = _tile_of(picked, 0, count, size)
+    return (
+        picked,
+        operands._replace(
+            hidden=operands.hidden.index_select(0, gather),
+            tokens=tuple(_tile_buffers.gathered(t, gather, slot) for slot, t in enumerate(operands.tokens)),
+            reduce=(),
+        ),
+        tuple(_tile_of(t.index_select(0, picked), 0, count, size, zeros=True) for t in tangents),
+    )
+
+
+def _tile_of(t: torch.Tensor, start: int, stop: int, size: int, zeros: bool = False) -> torch.Tensor:
+    """Rows ``start:stop`` of ``t``, padded to ``size`` rows. Padding rows repeat a real row
+    (finite wherever the data is) and get a zero tangent (``zeros``), so they add exactly
+    nothing to any gradient sum."""
+    t = t[start:stop]
+    if t.shape[0] == size:
+        return t
+    missing = size - t.shape[0]
+    pad = t.new_zeros((missing, *t.shape[1:])) if zeros else t[:1].expand(missing, *t.shape[1:])
+    return torch.cat([t, pad])
+
+
+@_tile_buffers.shared()
+def run_tiles(
+    program: RowProgram,
+    call: RegionCall,
+    operands: RegionOperands,
+    tangents: dict[int, torch.Tensor],
+    need: RegionOperands[bool],
+    keep_outputs: bool = True,
+    rows: torch.Tensor | None = None,
+    coupled: CoupledTiles | None = None,
+    loss_operands: RegionOperands | None = None,
+) -> tuple:
+    """Every tile once; returns ``(outputs, gradients)`` (see :meth:`TileResults.finish`): each
+    output flat over the tokens, the gradients of ``sum(tangent * output)`` by operand.
+    ``operands.hidden`` is flat over the tokens. With ``rows`` (see :func:`skipped_rows`) only
+    those tokens run, each tile gathering its rows; the others' outputs and per-token gradients
+    are zero. With ``coupled`` (tiles of whole coupled groups), the tiles run in its order and
+    bounds and evaluate the tangents of the differentiable outputs themselves, from the loss's
+    ``loss_operands`` (the op's, the hidden states as the graph shapes them)."""
+    operands, tangents = _as_tiles_take(program, operands, tangents)
+    rows, key, bounds, tile_plan = _loop_plan(program, call, operands, tangents, need, rows, coupled)
+    num_tokens = operands.hidden.shape[0] if rows is None else rows.numel()
+    out = TileResults.allocate(program, key, operands, num_tokens, keep_outputs, rows)
+    split = need.weight and key.weight_grad is WeightGradSchedule.SPLIT
+    direct = need.weight and key.weight_grad is WeightGradSchedule.DIRECT
+    tangent_list = [tangents[i] for i in key.tangents] if coupled is None else []
+    kernel = _kernel(key, key.tile) if num_tokens else None  # no tile, no trace (an empty batch)
+    kernel_size = key.tile
+    tokens = operands.hidden.shape[0]
+    loop = contextlib.nullcontext() if coupled is None else running(program, tokens, loss_operands)
+    with loop:
+        for start, count in bounds:
+            size = tile_plan.rows_for(count)  # a short tile: padded
+            if size != kernel_size:
+                kernel, kernel_size = _kernel(key, size), size
+            picked, tile_operands, tangent_tiles = _tile_rows(
+                operands, tangent_list, start, count, size, rows
+            )
+            inputs = TileInputs(
+                operands=tile_operands,
+                tangents=tangent_tiles,
+                weight_grad_sum=out.weight_grad_sum,
+                bias_grad_sum=out.bias_sum,
+                shared_grad_sums=out.shared_sums,
+                coupled=() if coupled is None else (positions(picked, size),),
+            )
+            last = split and start + count == num_tokens  # the last add of a split sum rounds it
+            with _weight_grad.last_add(out.weight_grad_sum[0]) if last else contextlib.nullcontext():
+                result = list(kernel(*inputs.flat()))
+            if direct:
+                out.grad_weight = result.pop()
+            out.store(result, start, count, picked, len(program.outputs))
+            del inputs, result, tile_operands, tangent_tiles  # before the next tile's are made
+    return out.finish(program, call.compile_tiles, operands)
+
+
+def _kernel(key: TileKernelKey, size: int):
+    """What the loop calls per tile of ``size`` rows (traced once per key and size)."""
+    key = key if size == key.tile else dataclasses.replace(key, tile=size)
+    return _tile_function.per_tile(_tile_function.tile_kernel(key))
+
+
+def _as_tiles_take(program: RowProgram, operands: RegionOperands, tangents: dict):
+    """The operands and tangents as the traced tiles take them: contiguous (a derived token
+    weight can be a broadcast scalar), a half-precision bias added after the matmul upcast (see
+    ``run_program``: its gradient then is not rounded once per tile)."""
+    bias = operands.bias
+    if program.bias_added and bias is not None and bias.dtype in (torch.float16, torch.bfloat16):
+        bias = bias.float()
+    tangents = {i: t.contiguous() for i, t in tangents.items()}
+    return operands._replace(bias=bias, tokens=tuple(t.contiguous() for t in operands.tokens)), tangents
+
+
+def _loop_plan(program, call, operands: RegionOperands, tangents, need, rows, coupled):
+    """``(rows, kernel key, tile bounds, plan)`` of one loop: the plan's tiles in token order,
+    or a coupled loop's whole groups in its own order (its kernel evaluating its tangents)."""
+    if coupled is not None:
+        rows = coupled.order
+    hidden, weight = operands.hidden, operands.weight
+    num_tokens = hidden.shape[0] if rows is None else rows.numel()
+    tile_plan = plan_tiles(
+        num_tokens, hidden.shape[0], call.tile, weight.shape, weight.dtype, weight.device, call.compile_tiles,
+        need.weight,
+    )  # fmt: skip
+    if coupled is not None:
+        tile_plan = tile_plan.in_groups(coupled.tile, len(coupled.bounds))
+    _plan.ran(tile_plan)
+    key = _kernel_key(program, call, tile_plan, operands, tangents, need)
+    if coupled is None:
+        tile = key.tile
+        return (
+            rows,
+            key,
+            [(start, min(tile, num_tokens - start)) for start in range(0, num_tokens, tile)],
+            tile_plan,
+        )
+    diff = tuple(i for i, out in enumerate(program.outputs) if out.differentiable)
+    key = dataclasses.replace(key, tangents=diff if need.any() else (), coupled=True)
+    return rows, key, coupled.bounds, tile_plan
