@@ -13,12 +13,12 @@ import dataclasses
 
 import torch
 
-from tile_pass.plan import _plan, _weight_grad
+from tile_pass.plan import _plan
 from tile_pass.plan._plan import RegionCall, TilePlan, plan_tiles
 from tile_pass.plan._weight_grad import WeightGradSchedule
 from tile_pass.program._operands import RegionOperands
 from tile_pass.program._region import RowProgram
-from tile_pass.tiles import _tile_buffers, _tile_function
+from tile_pass.tiles import _split_planes, _tile_buffers, _tile_function
 from tile_pass.tiles._coupled_tiles import CoupledTiles, positions, running
 from tile_pass.tiles._tile_kernel import TileInputs, TileKernelKey
 from tile_pass.tiles._tile_passes.onednn_gemms import onednn_gemms_apply
@@ -194,7 +194,7 @@ def run_tiles(
                 coupled=() if coupled is None else (positions(picked, size),),
             )
             last = split and start + count == num_tokens  # the last add of a split sum rounds it
-            with _weight_grad.last_add(out.weight_grad_sum[0]) if last else contextlib.nullcontext():
+            with _split_planes.last_add(out.weight_grad_sum[0]) if last else contextlib.nullcontext():
                 result = list(kernel(*inputs.flat()))
             if direct:
                 out.grad_weight = result.pop()

@@ -15,12 +15,11 @@ from typing import NamedTuple
 
 import torch
 
-from tile_pass.plan import _weight_grad
 from tile_pass.plan._weight_grad import WeightGradSchedule
 from tile_pass.program import _region
 from tile_pass.program._operands import RegionOperands
 from tile_pass.program._region import RowProgram
-from tile_pass.tiles import _tile_buffers
+from tile_pass.tiles import _split_planes, _tile_buffers
 from tile_pass.tiles._tile_kernel import TileKernelKey
 from tile_pass.tiles._tile_passes.split_accumulation import finish_split
 
@@ -120,7 +119,7 @@ class TileResults:
         weight_grad_sum, grad_weight = (), None
         schedule = key.weight_grad if need.weight else None
         if schedule is WeightGradSchedule.SPLIT:  # the float32 sum in two 16-bit planes: 4 bytes per weight
-            weight_grad_sum = _weight_grad.unwritten_planes(weight.shape, weight.device)
+            weight_grad_sum = _split_planes.unwritten_planes(weight.shape, weight.device)
         elif schedule is WeightGradSchedule.DIRECT:  # the only tile forms it (none when no token runs)
             if not num_tokens:
                 grad_weight = _tile_buffers.zeros(weight.shape, weight.dtype, weight.device)
@@ -170,7 +169,7 @@ class TileResults:
         need, weight, hidden = self.need, operands.weight, operands.hidden
         grad_weight = self.grad_weight
         if need.weight and len(self.weight_grad_sum) == 2:  # rounded once into the weight dtype
-            planes = _weight_grad.settle(*self.weight_grad_sum)
+            planes = _split_planes.settle(*self.weight_grad_sum)
             grad_weight = finish_split(*planes, weight.dtype, compile_tiles)
         elif self.weight_grad_sum:
             grad_weight = self.weight_grad_sum[0]
