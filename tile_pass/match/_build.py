@@ -11,7 +11,7 @@ from tile_pass.match._scalar_loss import ScalarLoss
 from tile_pass.match._selections import index_text
 from tile_pass.match._sharding import shard_program_steps
 from tile_pass.program import _region
-from tile_pass.program._operands import RegionOperands
+from tile_pass.program._operands import OperandCounts, RegionOperands
 from tile_pass.program._region import Layout, Output, ReductionProgram, RowProgram
 
 
@@ -19,9 +19,11 @@ def build_region(matcher: RegionMatcher, outputs: list[RegionOutput], loss: Scal
     """The program of the walked region ``matcher`` with ``outputs`` (and ``loss`` joined to the
     op, if found), registered, and the region's record."""
     steps_text = _steps_text(matcher)
-    program = _region.register(_program(matcher, outputs, loss, " -> ".join(steps_text)))
-    operands = RegionOperands(matcher.hidden, matcher.weight, matcher.bias, tuple(matcher.token_inputs),
-                              tuple(matcher.shared_inputs), tuple(loss.inputs if loss else ()))  # fmt: skip
+    reduce = tuple(loss.inputs if loss else ())
+    operands = RegionOperands(
+        matcher.hidden, matcher.weight, matcher.bias, **matcher.input_groups(), reduce=reduce
+    )
+    program = _region.register(_program(matcher, outputs, loss, " -> ".join(steps_text), operands.counts))
     return RowRegion(
         projection=matcher.projection, operands=operands, autocast_dtype=matcher.autocast_dtype,
         nodes=[*matcher.values, *(n for n in (matcher.transpose, *matcher.partners.values()) if n)],
@@ -60,7 +62,11 @@ def _token_layout(part: tuple) -> Layout:
 
 
 def _program(
-    matcher: RegionMatcher, outputs: list[RegionOutput], loss: ScalarLoss | None, form: str
+    matcher: RegionMatcher,
+    outputs: list[RegionOutput],
+    loss: ScalarLoss | None,
+    form: str,
+    counts: OperandCounts,
 ) -> RowProgram:
     in_loss = set(loss.nodes) if loss else set()
     sink = loss.sink if loss else None
@@ -74,8 +80,7 @@ def _program(
                only_loss=o.node is sink or bool(in_loss) and all(u in in_loss for u in o.node.users))
         for o in outputs
     )  # fmt: skip
-    finish = ReductionProgram(loss.steps, loss.result, val(loss.sink).dtype, loss.linear,
-                              num_inputs=len(loss.inputs)) if loss else None  # fmt: skip
+    finish = ReductionProgram(loss.steps, loss.result, val(loss.sink).dtype, loss.linear) if loss else None
     steps = tuple(value.step for value in matcher.program[1:])
     vocab_size, shard = int(matcher.vocab), None
     if matcher.shard is not None:
@@ -87,7 +92,6 @@ def _program(
     return RowProgram(
         steps=steps, outputs=program_outputs, vocab_size=vocab_size, shard=shard,
         token_layouts=tuple(_token_layout(t.part) for t in matcher.token_inputs),
-        has_bias=matcher.bias is not None, bias_added=matcher.bias_added,
-        num_shared=len(matcher.shared_inputs), index_checks=tuple(matcher.index_checks), reduction=finish,
-        form=form,
+        has_bias=matcher.bias is not None, bias_added=matcher.bias_added, counts=counts,
+        index_checks=tuple(matcher.index_checks), reduction=finish, form=form,
     )  # fmt: skip

@@ -98,6 +98,11 @@ class RegionMatcher:
             return True
         raise NoMatch("the logits' token dimensions are regrouped into {}", tuple(tokens))
 
+    def input_groups(self) -> dict[str, tuple]:
+        """Its inputs from outside the region by the operand group the tiles take them in
+        (:class:`~tile_pass.program._operands.RegionOperands`; the scalar loss finds its own)."""
+        return {"tokens": tuple(self.token_inputs), "shared": tuple(self.shared_inputs)}
+
     def shape_of(self, arg) -> Shape | None:
         """The shape of a region value; None for anything else."""
         return self.values[arg].shape if isinstance(arg, torch.fx.Node) and arg in self.values else None

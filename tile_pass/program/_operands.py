@@ -12,20 +12,42 @@ reads a group by its name and never by a position it worked out.
 A custom op takes tensors in a flat list: :meth:`RegionOperands.flat` lays a record out and
 :meth:`RegionOperands.unflatten` reads it back with the group sizes the program recorded
 (:class:`OperandCounts`). Those two are the only places that know the order.
+
+How the tiles take a group is declared once, in :data:`GROUPS` (a :class:`GroupKind`): the
+tile loop, the traced tile function, the results and the splice treat every group of a kind
+alike (:meth:`RegionOperands.of_kind`, :meth:`RegionOperands.with_kind`), so a new group of an
+existing kind is a field here, its :class:`~tile_pass.program._region.RefKind`, and the matcher
+that produces it.
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Generic, NamedTuple, TypeVar
 
 T = TypeVar("T")
 U = TypeVar("U")
 
-#: the groups after the head, in the record's order
-GROUPS = ("tokens", "shared", "reduce")
-#: the groups a tile reads: per token (sliced per tile, as the hidden states are), or whole
-TILE_GROUPS = ("tokens", "shared")
+
+class GroupKind(enum.Enum):
+    """How the tiles take a group: one row per token (sliced per tile as the hidden states
+    are; its gradient per token), whole (every tile the same; its gradient summed across the
+    tiles), or not at all (read only by the scalar loss, after the tiles)."""
+
+    PER_TOKEN = "per token"
+    WHOLE = "whole"
+    LOSS = "loss"
+
+
+#: the groups after the head, in the record's order, and how the tiles take each: the only
+#: table code outside this module consults (through the methods below) to treat a group
+GROUPS: dict[str, GroupKind] = {
+    "tokens": GroupKind.PER_TOKEN,
+    "shared": GroupKind.WHOLE,
+    "reduce": GroupKind.LOSS,
+}
 
 
 class OperandCounts(NamedTuple):
@@ -34,6 +56,10 @@ class OperandCounts(NamedTuple):
     tokens: int = 0
     shared: int = 0
     reduce: int = 0
+
+    def in_tiles(self) -> OperandCounts:
+        """The counts of what a tile takes: the scalar loss's own groups empty."""
+        return self._replace(**{group: 0 for group, kind in GROUPS.items() if kind is GroupKind.LOSS})
 
 
 class RegionOperands(NamedTuple, Generic[T]):
@@ -52,27 +78,39 @@ class RegionOperands(NamedTuple, Generic[T]):
 
     @property
     def counts(self) -> OperandCounts:
-        return OperandCounts(len(self.tokens), len(self.shared), len(self.reduce))
+        return OperandCounts(*(len(getattr(self, group)) for group in GROUPS))
 
     def flat(self) -> list[T | None]:
         """The head, then every group in :data:`GROUPS` order."""
-        return [self.hidden, self.weight, self.bias, *self.tokens, *self.shared, *self.reduce]
+        return [self.hidden, self.weight, self.bias, *itertools.chain(*(getattr(self, g) for g in GROUPS))]
 
     @classmethod
     def unflatten(cls, flat: Sequence, counts: OperandCounts) -> RegionOperands:
         """The record :meth:`flat` laid out, for groups of ``counts`` tensors."""
-        tokens, shared, reduce = counts
-        if len(flat) != 3 + tokens + shared + reduce:
+        if len(flat) != 3 + sum(counts):
             raise ValueError(f"{len(flat)} operands for a region of 3 + {tuple(counts)}")
-        first_shared, first_reduce = 3 + tokens, 3 + tokens + shared
-        return cls(
-            flat[0], flat[1], flat[2],
-            tuple(flat[3:first_shared]), tuple(flat[first_shared:first_reduce]), tuple(flat[first_reduce:]),
-        )  # fmt: skip
+        groups, first = {}, 3
+        for group, count in zip(GROUPS, counts, strict=True):
+            groups[group], first = tuple(flat[first : first + count]), first + count
+        return cls(flat[0], flat[1], flat[2], **groups)
 
     def map(self, fn: Callable[[T], U]) -> RegionOperands[U]:
         """``fn`` of every operand, ``None`` kept (a missing bias stays missing)."""
         return RegionOperands.unflatten([None if x is None else fn(x) for x in self.flat()], self.counts)
+
+    def of_kind(self, kind: GroupKind) -> list[T]:
+        """The operands of every group the tiles take as ``kind``, flat, in group order."""
+        return [x for group, k in GROUPS.items() if k is kind for x in getattr(self, group)]
+
+    def with_kind(self, kind: GroupKind, fn: Callable[[T], U]) -> RegionOperands:
+        """``fn`` of each operand of every group of ``kind`` (the head and others unchanged)."""
+        return self._replace(
+            **{group: tuple(fn(x) for x in getattr(self, group)) for group, k in GROUPS.items() if k is kind}
+        )
+
+    def in_tiles(self) -> RegionOperands:
+        """The operands a tile takes: the scalar loss's own groups left out."""
+        return self._replace(**{group: () for group, k in GROUPS.items() if k is GroupKind.LOSS})
 
     def any(self) -> bool:
         """For need flags: whether anything is differentiated."""
@@ -86,6 +124,12 @@ class RegionOperands(NamedTuple, Generic[T]):
         if next(given, None) is not None:
             raise ValueError("more values than set flags")
         return placed
+
+
+def filled(operands: RegionOperands, kind: GroupKind, values: Iterable) -> RegionOperands:
+    """``operands`` with the groups of ``kind`` taking ``values`` in order (one per operand)."""
+    given = iter(values)
+    return operands.with_kind(kind, lambda _: next(given))
 
 
 def no_gradient(counts: OperandCounts) -> RegionOperands[bool]:

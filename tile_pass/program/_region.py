@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tile_pass.match._op_facts import RuleKind, facts_for
-from tile_pass.program._operands import OperandCounts, RegionOperands
+from tile_pass.program._operands import GROUPS, GroupKind, OperandCounts, RegionOperands
 
 
 class Layout(str, enum.Enum):
@@ -223,7 +223,6 @@ class ReductionProgram:
     result: int  # the value index of the scalar loss
     dtype: torch.dtype  # the loss's
     linear: bool = True
-    num_inputs: int = 0  # its own inputs: the operands' ``reduce`` group
 
 
 @dataclass(frozen=True)
@@ -236,8 +235,8 @@ class RowProgram:
     #: per token input: its layout in the tile (``rows`` for a teacher's logits, ...)
     token_layouts: tuple[Layout, ...]
     has_bias: bool
-    #: how many inputs every row shares (the operands' ``shared`` group)
-    num_shared: int = 0
+    #: how many operands each group holds (:class:`~tile_pass.program._operands.RegionOperands`)
+    counts: OperandCounts = OperandCounts()
     #: per token input that indexes the vocabulary: (input, how eager reports a bad index,
     #: ignore_index or None), checked before the tiles on CPU
     index_checks: tuple[tuple[int, str, int | None], ...] = ()
@@ -251,12 +250,6 @@ class RowProgram:
     #: product is rounded to the logits' dtype before the add, as eager rounds it (in half
     #: precision one rounding less moves every soft-capped loss off eager's, issue 48)
     bias_added: bool = False
-
-    @property
-    def counts(self) -> OperandCounts:
-        """The sizes of its operands' groups, to read them from an op's flat list."""
-        reduce = self.reduction.num_inputs if self.reduction is not None else 0
-        return OperandCounts(len(self.token_layouts), self.num_shared, reduce)
 
 
 # ---------------------------------------------------------------------------- interpreter
@@ -316,8 +309,9 @@ def run_program(program: RowProgram, operands: RegionOperands) -> list[torch.Ten
     else:
         logits = F.linear(hidden, weight, bias)
     env: dict = {Ref(RefKind.VALUE, 0): logits}
-    for kind in (RefKind.TOKEN, RefKind.SHARED):
-        env.update((Ref(kind, i), t) for i, t in enumerate(getattr(operands, kind.value)))
+    for group, kind in GROUPS.items():
+        if kind is not GroupKind.LOSS:  # a group the tiles take: its refs are named after it
+            env.update((Ref(RefKind(group), i), t) for i, t in enumerate(getattr(operands, group)))
     run_steps(program.steps, env, 1, hidden.device.type)
     return [env[Ref(RefKind.VALUE, out.value)] for out in program.outputs]
 

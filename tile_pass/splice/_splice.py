@@ -21,7 +21,7 @@ from tile_pass.match._op_facts import spelling
 from tile_pass.match._records import RowRegion
 from tile_pass.plan._plan import RegionCall
 from tile_pass.program import _region
-from tile_pass.program._operands import RegionOperands
+from tile_pass.program._operands import GroupKind, RegionOperands
 from tile_pass.program._region import Layout, RowProgram
 from tile_pass.program._token_layout import after_tiles, per_token, restore, select, spread
 from tile_pass.splice._returned_logits import ReturnedLogits
@@ -39,7 +39,7 @@ class _ProgramPrefix(torch.nn.Module):
 
     def forward(self, hidden, weight, *rest):
         bias, rest = (rest[0], rest[1:]) if self.program.has_bias else (None, rest)
-        counts = self.program.counts._replace(reduce=0)
+        counts = self.program.counts.in_tiles()
         operands = RegionOperands.unflatten([hidden, weight, bias, *rest], counts)
         flat = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
         outputs = _region.run_program(self.program, operands._replace(hidden=flat))
@@ -48,7 +48,7 @@ class _ProgramPrefix(torch.nn.Module):
 
 def _prefix_inputs(operands: RegionOperands) -> list[torch.fx.Node]:
     """What :class:`_ProgramPrefix` takes: the operands but the loss's own, a missing bias left out."""
-    return [node for node in operands._replace(reduce=()).flat() if node is not None]
+    return [node for node in operands.in_tiles().flat() if node is not None]
 
 
 def _grad_modes(graph: torch.fx.Graph) -> dict[torch.fx.Node, bool]:
@@ -193,19 +193,16 @@ def _per_token_inputs(graph: torch.fx.Graph, splice: Splice) -> None:
         needs = getattr(val(entry.node), "requires_grad", False) and not entry.differentiable
         return graph.call_method("detach", (entry.node,)) if needs else entry.node
 
-    tokens, operands = splice.tokens, splice.operands
-    splice.operands = operands._replace(
-        tokens=tuple(
-            graph.call_function(per_token, (given(t), tokens, t.flat_tokens, len(t.part)))
-            if t.subset is None
-            else graph.call_function(spread, (given(t), tokens, t.flat_tokens, len(t.part), t.subset))
-            for t in operands.tokens
-        ),
-        shared=tuple(
-            given(s) if s.whole else graph.call_method("reshape", (given(s), () if s.zero_dim else (-1,)))
-            for s in operands.shared
-        ),
-    )  # fmt: skip
+    def flat(t):  # a per-token input (a TokenInput)
+        if t.subset is None:
+            return graph.call_function(per_token, (given(t), tokens, t.flat_tokens, len(t.part)))
+        return graph.call_function(spread, (given(t), tokens, t.flat_tokens, len(t.part), t.subset))
+
+    def whole(s):  # a shared input (a SharedInput)
+        return given(s) if s.whole else graph.call_method("reshape", (given(s), () if s.zero_dim else (-1,)))
+
+    tokens = splice.tokens
+    splice.operands = splice.operands.with_kind(GroupKind.PER_TOKEN, flat).with_kind(GroupKind.WHOLE, whole)
 
 
 def _call(graph: torch.fx.Graph, splice: Splice) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from tile_pass.plan._weight_grad import WeightGradSchedule
 from tile_pass.program import _region
-from tile_pass.program._operands import RegionOperands
+from tile_pass.program._operands import GroupKind, RegionOperands
 from tile_pass.program._region import RowProgram
 from tile_pass.tiles._tile_kernel import (
     TensorSpec,
@@ -35,11 +35,11 @@ def _input_spec(key: TileKernelKey, program: RowProgram) -> TileInputs:
         WeightGradSchedule.SPLIT: (torch.int16, torch.int16),
         WeightGradSchedule.FLOAT32: (key.acc_dtype,),
     }
-    whole = operands.map(lambda part: TensorSpec(*part))  # weight, bias, shared: as they are
+    whole = operands.map(lambda part: TensorSpec(*part))  # weight, bias, whole groups: as they are
+    whole_need = zip(operands.of_kind(GroupKind.WHOLE), need.of_kind(GroupKind.WHOLE), strict=True)
     return TileInputs(
-        operands=whole._replace(
-            hidden=TensorSpec((T, *operands.hidden[0]), operands.hidden[1]),
-            tokens=tuple(TensorSpec((T, *part), dtype) for part, dtype in operands.tokens),
+        operands=whole._replace(hidden=TensorSpec((T, *operands.hidden[0]), operands.hidden[1])).with_kind(
+            GroupKind.PER_TOKEN, lambda spec: TensorSpec((T, *spec.shape), spec.dtype)
         ),
         tangents=tuple(
             TensorSpec((T, *_region.row_part(program.outputs[i].layout, V)), program.outputs[i].dtype)
@@ -49,9 +49,9 @@ def _input_spec(key: TileKernelKey, program: RowProgram) -> TileInputs:
             TensorSpec(operands.weight[0], d) for d in sum_dtypes.get(key.weight_grad, ()) if need.weight
         ),
         bias_grad_sum=TensorSpec((V,), key.acc_dtype) if need.bias else None,
-        shared_grad_sums=tuple(
+        whole_grad_sums=tuple(
             TensorSpec(shape, key.acc_dtype)
-            for (shape, _), n in zip(operands.shared, need.shared, strict=True)
+            for (shape, _), n in whole_need
             if n
         ),
         coupled=(TensorSpec((T,), torch.int64),) if key.coupled else (),
@@ -90,11 +90,10 @@ def _joint(key: TileKernelKey, program: RowProgram):
             inputs.weight_grad_sum[0].add_(grads.weight)
         if key.need.bias:
             inputs.bias_grad_sum.add_(grads.bias)
-        for shared_sum, grad in zip(
-            inputs.shared_grad_sums, (g for g in grads.shared if g is not None), strict=True
-        ):
-            shared_sum.add_(grad)
-        per_token = [g for g in (grads.hidden, *grads.tokens) if g is not None]
+        whole = (g for g in grads.of_kind(GroupKind.WHOLE) if g is not None)
+        for whole_sum, grad in zip(inputs.whole_grad_sums, whole, strict=True):
+            whole_sum.add_(grad)
+        per_token = [g for g in (grads.hidden, *grads.of_kind(GroupKind.PER_TOKEN)) if g is not None]
         result = [*(out.detach() for out in outputs), *per_token]
         return (*result, grads.weight) if schedule is WeightGradSchedule.DIRECT else tuple(result)
 

@@ -102,7 +102,7 @@ class TileInputs(NamedTuple):
     tangents: tuple[Input, ...]  # one per ``TileKernelKey.tangents``
     weight_grad_sum: tuple[Input, ...]  # FLOAT32: the sum; SPLIT: its two planes; DIRECT: none
     bias_grad_sum: Input | None
-    shared_grad_sums: tuple[Input, ...] = ()  # one per differentiated shared input, in the accumulation dtype
+    whole_grad_sums: tuple[Input, ...] = ()  # per differentiated operand of a whole group, accumulation dtype
     coupled: tuple[Input, ...] = ()  # a coupled tile's token positions
 
     def flat(self) -> list[Input]:
@@ -112,7 +112,7 @@ class TileInputs(NamedTuple):
         flat += self.weight_grad_sum
         if self.bias_grad_sum is not None:
             flat.append(self.bias_grad_sum)
-        flat += self.shared_grad_sums
+        flat += self.whole_grad_sums
         flat += self.coupled
         return flat
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 
 import torch
 
 from tile_pass.plan import _plan
 from tile_pass.plan._plan import RegionCall, TilePlan, plan_tiles
 from tile_pass.plan._weight_grad import WeightGradSchedule
-from tile_pass.program._operands import RegionOperands
+from tile_pass.program._operands import GroupKind, RegionOperands
 from tile_pass.program._region import RowProgram
 from tile_pass.tiles import _split_planes, _tile_buffers, _tile_function
 from tile_pass.tiles._coupled_tiles import CoupledTiles, positions, running
@@ -85,20 +86,18 @@ def _kernel_key(program: RowProgram, call: RegionCall, tile_plan: TilePlan, oper
                 tangents, need: RegionOperands[bool]) -> TileKernelKey:  # fmt: skip
     """The traced tile function this loop runs (its full-size tiles): per-token operands by
     their row part, the others whole; the tiles take no ``reduce`` group."""
-    in_tile = operands._replace(reduce=())
-    parts = in_tile.map(lambda t: (tuple(t.shape), t.dtype))
+    parts = operands.in_tiles().map(lambda t: (tuple(t.shape), t.dtype))
     hidden = operands.hidden
     return TileKernelKey(
         program=program.key,
         tile=tile_plan.tile,
         vocab_size=program.vocab_size,
-        operands=parts._replace(
-            hidden=(tuple(hidden.shape[1:]), hidden.dtype),
-            tokens=tuple((tuple(t.shape[1:]), t.dtype) for t in operands.tokens),
+        operands=parts._replace(hidden=(tuple(hidden.shape[1:]), hidden.dtype)).with_kind(
+            GroupKind.PER_TOKEN, lambda part: (part[0][1:], part[1])
         ),
         tangents=tuple(sorted(tangents)) if need.any() else (),
         device=hidden.device,
-        need=need._replace(reduce=()),
+        need=need.in_tiles(),
         acc_dtype=torch.promote_types(torch.float32, hidden.dtype),  # float64 in, float64 sums: exact checks
         compiled=call.compile_tiles,
         onednn=onednn_gemms_apply(hidden.device),
@@ -115,22 +114,18 @@ def _tile_rows(operands: RegionOperands, tangents, start: int, count: int, size:
         stop = start + count
         return (
             None,
-            operands._replace(
-                hidden=_tile_of(operands.hidden, start, stop, size),
-                tokens=tuple(_tile_of(t, start, stop, size) for t in operands.tokens),
-                reduce=(),
-            ),
+            operands.in_tiles()
+            ._replace(hidden=_tile_of(operands.hidden, start, stop, size))
+            .with_kind(GroupKind.PER_TOKEN, lambda t: _tile_of(t, start, stop, size)),
             tuple(_tile_of(t, start, stop, size, zeros=True) for t in tangents),
         )
     picked = rows[start : start + count]
-    gather = _tile_of(picked, 0, count, size)
+    gather, slots = _tile_of(picked, 0, count, size), itertools.count()
     return (
         picked,
-        operands._replace(
-            hidden=operands.hidden.index_select(0, gather),
-            tokens=tuple(_tile_buffers.gathered(t, gather, slot) for slot, t in enumerate(operands.tokens)),
-            reduce=(),
-        ),
+        operands.in_tiles()
+        ._replace(hidden=operands.hidden.index_select(0, gather))
+        .with_kind(GroupKind.PER_TOKEN, lambda t: _tile_buffers.gathered(t, gather, next(slots))),
         tuple(_tile_of(t.index_select(0, picked), 0, count, size, zeros=True) for t in tangents),
     )
 
@@ -190,7 +185,7 @@ def run_tiles(
                 tangents=tangent_tiles,
                 weight_grad_sum=out.weight_grad_sum,
                 bias_grad_sum=out.bias_sum,
-                shared_grad_sums=out.shared_sums,
+                whole_grad_sums=out.whole_sums,
                 coupled=() if coupled is None else (positions(picked, size),),
             )
             last = split and start + count == num_tokens  # the last add of a split sum rounds it
@@ -217,7 +212,7 @@ def _as_tiles_take(program: RowProgram, operands: RegionOperands, tangents: dict
     if program.bias_added and bias is not None and bias.dtype in (torch.float16, torch.bfloat16):
         bias = bias.float()
     tangents = {i: t.contiguous() for i, t in tangents.items()}
-    return operands._replace(bias=bias, tokens=tuple(t.contiguous() for t in operands.tokens)), tangents
+    return operands._replace(bias=bias).with_kind(GroupKind.PER_TOKEN, lambda t: t.contiguous()), tangents
 
 
 def _loop_plan(program, call, operands: RegionOperands, tangents, need, rows, coupled):

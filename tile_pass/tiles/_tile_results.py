@@ -17,7 +17,7 @@ import torch
 
 from tile_pass.plan._weight_grad import WeightGradSchedule
 from tile_pass.program import _region
-from tile_pass.program._operands import RegionOperands
+from tile_pass.program._operands import GroupKind, RegionOperands, filled
 from tile_pass.program._region import RowProgram
 from tile_pass.tiles import _split_planes, _tile_buffers
 from tile_pass.tiles._tile_kernel import TileKernelKey
@@ -87,12 +87,13 @@ class TileResults:
     and the sums across tiles (the weight's under its schedule, the bias's, the shared inputs')."""
 
     outputs: list[torch.Tensor] | None
-    #: per-token gradients at every token (hidden, ``tokens``), ``None`` where not needed
-    per_token: RegionOperands
+    grad_hidden: torch.Tensor | None  # at every token (a whole tile's own, set by store)
+    #: the per-token groups' gradients at every token, flat in group order, ``None`` where not needed
+    per_token: list[torch.Tensor | None]
     weight_grad_sum: tuple[torch.Tensor, ...]  # FLOAT32: the sum; SPLIT: its two 16-bit planes
     grad_weight: torch.Tensor | None  # DIRECT: the one tile's own
     bias_sum: torch.Tensor | None
-    shared_sums: tuple[torch.Tensor, ...]
+    whole_sums: tuple[torch.Tensor, ...]  # the whole groups' gradients, summed across the tiles
     need: RegionOperands[bool]
     whole: bool  # one unpadded tile: its hidden gradient is final, no buffer to copy it into
 
@@ -108,14 +109,12 @@ class TileResults:
             for out in program.outputs
         ] if keep_outputs else None  # fmt: skip
         whole = rows is None and num_tokens == key.tile
-        per_token = RegionOperands(
-            make(hidden.shape, hidden.dtype, hidden.device) if need.hidden and not whole else None,
-            None, None,
-            tokens=tuple(
-                _tile_buffers.zeros(t.shape, t.dtype, t.device) if n else None
-                for t, n in zip(operands.tokens, need.tokens, strict=True)
-            ),
-        )  # fmt: skip
+        per_token = [
+            _tile_buffers.zeros(t.shape, t.dtype, t.device) if n else None
+            for t, n in zip(
+                operands.of_kind(GroupKind.PER_TOKEN), need.of_kind(GroupKind.PER_TOKEN), strict=True
+            )
+        ]
         weight_grad_sum, grad_weight = (), None
         schedule = key.weight_grad if need.weight else None
         if schedule is WeightGradSchedule.SPLIT:  # the float32 sum in two 16-bit planes: 4 bytes per weight
@@ -127,13 +126,16 @@ class TileResults:
             weight_grad_sum = (_tile_buffers.zeros(weight.shape, acc, weight.device),)
         return TileResults(
             outputs=outputs,
+            grad_hidden=make(hidden.shape, hidden.dtype, hidden.device)
+            if need.hidden and not whole
+            else None,
             per_token=per_token,
             weight_grad_sum=weight_grad_sum,
             grad_weight=grad_weight,
             bias_sum=weight.new_zeros((program.vocab_size,), dtype=acc) if need.bias else None,
-            shared_sums=tuple(
+            whole_sums=tuple(
                 s.new_zeros(s.shape, dtype=acc)
-                for s, n in zip(operands.shared, need.shared, strict=True)
+                for s, n in zip(operands.of_kind(GroupKind.WHOLE), need.of_kind(GroupKind.WHOLE), strict=True)
                 if n
             ),
             need=need,
@@ -156,10 +158,10 @@ class TileResults:
         grads = iter(result[num_outputs:])
         if self.need.hidden:
             if self.whole:
-                self.per_token = self.per_token._replace(hidden=next(grads))
+                self.grad_hidden = next(grads)
             else:
-                put(self.per_token.hidden, next(grads))
-        for into in self.per_token.tokens:
+                put(self.grad_hidden, next(grads))
+        for into in self.per_token:
             if into is not None:
                 put(into, next(grads))
 
@@ -173,15 +175,17 @@ class TileResults:
             grad_weight = finish_split(*planes, weight.dtype, compile_tiles)
         elif self.weight_grad_sum:
             grad_weight = self.weight_grad_sum[0]
-        grad_hidden = self.per_token.hidden
+        grad_hidden = self.grad_hidden
         if need.hidden and grad_hidden is None:  # no token ran
             grad_hidden = _tile_buffers.zeros(hidden.shape, hidden.dtype, hidden.device)
         if need.hidden and program.shard is not None:  # each rank holds its shard's share
             group = torch.distributed.distributed_c10d._resolve_process_group(program.shard[0])
             torch.distributed.all_reduce(grad_hidden, group=group)
-        shared_sums = iter(self.shared_sums)
-        grads = RegionOperands(
-            grad_hidden, grad_weight, self.bias_sum, self.per_token.tokens,
-            tuple(next(shared_sums) if n else None for n in need.shared), (None,) * len(operands.reduce),
-        )  # fmt: skip
+        whole_sums = iter(self.whole_sums)
+        grads = operands.map(lambda _: None)._replace(
+            hidden=grad_hidden, weight=grad_weight, bias=self.bias_sum
+        )
+        grads = filled(grads, GroupKind.PER_TOKEN, self.per_token)
+        whole = (next(whole_sums) if n else None for n in need.of_kind(GroupKind.WHOLE))
+        grads = filled(grads, GroupKind.WHOLE, whole)
         return self.outputs, grads

@@ -38,7 +38,7 @@ from tile_pass import _distributed
 from tile_pass._logging import log
 from tile_pass.plan._plan import RegionCall, plan_tiles
 from tile_pass.program import _region
-from tile_pass.program._operands import RegionOperands, no_gradient
+from tile_pass.program._operands import GroupKind, RegionOperands, no_gradient
 from tile_pass.program._region import RowProgram
 from tile_pass.program._token_weights import token_weights
 from tile_pass.tiles._coupled_tiles import coupled_tiles
@@ -323,7 +323,7 @@ def run_region(
     given = _given(region, hidden, weight, bias, operands)
     need = RegionOperands.unflatten(
         [grad_on and t is not None and t.requires_grad for t in given.flat()], region.counts
-    )._replace(reduce=(False,) * region.counts.reduce)  # the loss's own inputs need no gradient
+    ).with_kind(GroupKind.LOSS, lambda _: False)  # the loss's own inputs need no gradient
     flags = need.flat() if need.any() else []
     flat = _row_region_loss(hidden, weight, bias, operands, call=call, need=flags)
     result = unflatten(flat, _need(flags, region), loss=True)
