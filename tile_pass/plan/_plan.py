@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from tile_pass import _settings
-from tile_pass.plan._tiling import TileSize, effective_tile, tile_bytes_per_token
+from tile_pass.plan._tiling import TileSize, effective_tile, padded_rows, tile_bytes_per_token
 from tile_pass.plan._weight_grad import WeightGradSchedule, plan
 
 
@@ -51,6 +51,14 @@ class TilePlan:
         """The rows a tile of ``count`` tokens runs: the plan's tile, or a short one padded
         (:func:`effective_tile` of ``count``, a bounded set of sizes)."""
         return self.tile if count == self.tile else effective_tile(count, TileSize(self.tile))
+
+    def group_tile(self, largest: int, max_bytes: int) -> int | None:
+        """The rows of a tile of whole coupled groups whose largest holds ``largest`` tokens: the
+        plan's tile, or a padded size that holds the group; ``None`` where the group is too large
+        for a tile (more than twice the plan's tile and than ``max_bytes`` of its buffers)."""
+        if largest > max(2 * self.tile, max_bytes // max(self.bytes_per_token, 1)):
+            return None
+        return self.tile if largest <= self.tile else padded_rows(largest)
 
     def in_groups(self, tile: int, num_tiles: int) -> TilePlan:
         """The plan of a loop over ``num_tiles`` tiles of whole coupled groups, ``tile`` rows each

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from tile_pass.plan._tiling import padded_rows
+from tile_pass.plan._plan import TilePlan
 from tile_pass.program import _region
 from tile_pass.program._operands import RegionOperands
 from tile_pass.program._token_groups import token_groups
@@ -48,11 +48,11 @@ def coupled_tiles(
     outputs: list[torch.Tensor],
     operands: RegionOperands,
     rows: torch.Tensor | None,
-    tile: int,
-    bytes_per_token: int,
+    tile_plan: TilePlan,
 ) -> CoupledTiles | None:
-    """Tiles of whole coupled groups over ``rows`` (all tokens when ``None``), about ``tile``
-    tokens each; ``None`` when the groups are not known or one is too large for a tile."""
+    """Tiles of whole coupled groups over ``rows`` (all tokens when ``None``), about the plan's
+    tile each (its :meth:`~TilePlan.group_tile`); ``None`` when the groups are not known or one
+    is too large for a tile."""
     groups = token_groups(program, outputs, operands)
     if groups is None:
         return None
@@ -68,10 +68,9 @@ def coupled_tiles(
     order_key = first[inverse] * (num_tokens + 1) + tokens
     order = tokens[torch.argsort(order_key)]
     sizes = torch.bincount(inverse)
-    largest = int(sizes.max())
-    if largest > max(2 * tile, COUPLED_TILE_BYTES // max(bytes_per_token, 1)):
+    cap = tile_plan.group_tile(int(sizes.max()), COUPLED_TILE_BYTES)
+    if cap is None:
         return None
-    cap = tile if largest <= tile else padded_rows(largest)
     bounds, start, count = [], 0, 0
     for size in sizes[torch.argsort(first)].tolist():
         if count + size > cap:

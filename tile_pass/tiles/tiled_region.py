@@ -128,7 +128,7 @@ def _nonlinear_loss_tiles(region: RowProgram, plan: RegionCall, given: RegionOpe
         need.weight,
     )  # fmt: skip
     shapes = zero_outputs(region, hidden.shape[0], hidden.device)
-    tiles = coupled_tiles(region, shapes, given, rows, tile_plan.tile, tile_plan.bytes_per_token)
+    tiles = coupled_tiles(region, shapes, given, rows, tile_plan)
     how = "tiles of whole coupled groups" if tiles is not None else "two passes over the tiles"
     log.debug("%s: a loss nonlinear in the outputs, %s", region.key, how)
     if tiles is not None:
@@ -137,7 +137,7 @@ def _nonlinear_loss_tiles(region: RowProgram, plan: RegionCall, given: RegionOpe
             return result
         # a token left out reaches the loss with a non-finite weight: in eager its gradient is
         # NaN (zero times NaN), so every token runs
-        tiles = coupled_tiles(region, shapes, given, None, tile_plan.tile, tile_plan.bytes_per_token)
+        tiles = coupled_tiles(region, shapes, given, None, tile_plan)
         return run_tiles(region, plan, tiled, {}, need, coupled=tiles, loss_operands=given)
     outputs, _ = run_tiles(region, plan, tiled, {}, nothing, rows=rows)
     tangents = token_weights(region, outputs, given)
