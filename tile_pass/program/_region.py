@@ -147,7 +147,8 @@ class ZeroIf(Zeros):
 
     def tokens(self, token_inputs) -> tuple[torch.Tensor, bool]:
         t = token_inputs[self.token]
-        t = t.reshape(t.shape[0], -1)[:, 0]
+        if t.dim() != 1:
+            t = t.reshape(t.shape[0], -1)[:, 0]
         if self.kind is ZeroKind.EQUALS:
             return t == self.value, self.exact
         if self.kind is ZeroKind.ZERO:
@@ -253,22 +254,19 @@ def _resolve(arg, env: dict):
 
 
 def _autocast(state: tuple[str, torch.dtype] | None, device_type: str):
-    """The autocast state a step ran under, or autocast off (tiles run outside it)."""
-    if state is None:
-        return (
-            torch.autocast(device_type, enabled=False)
-            if _autocast_known(device_type)
-            else contextlib.nullcontext()
-        )
-    return torch.autocast(state[0], dtype=state[1])
-
-
-def _autocast_known(device_type: str) -> bool:
+    """The autocast state a step ran under, or autocast off (tiles run outside it). Where it is
+    off already no context is entered: the reduction runs each call, and entering one costs
+    about as much as a small op."""
+    if state is not None:
+        return torch.autocast(state[0], dtype=state[1])
     try:
-        torch.is_autocast_enabled(device_type)
-    except RuntimeError:
-        return False
-    return True
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know
+        return _NO_CONTEXT
+    return torch.autocast(device_type, enabled=False) if enabled else _NO_CONTEXT
+
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def run_steps(steps, env: dict, first_value: int, device_type: str) -> dict:
