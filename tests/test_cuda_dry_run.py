@@ -654,7 +654,8 @@ def _check_tile_kernel(dtype, schedule, variant, compiled):
         kernel = region_op._program_kernel(key)
         graphs = [g for g in kernel.modules() if isinstance(g, torch.fx.GraphModule)]
         targets = {n.target for g in graphs for n in g.graph.nodes}
-        cpu_only = {_tile_buffers.mm, _tile_buffers.addmm, _tile_buffers.fresh_mm, onednn_gemms._onednn_mm}
+        cpu_only = {_tile_buffers.mm, _tile_buffers.addmm, _tile_buffers.fresh_mm, onednn_gemms._onednn_mm,
+                    onednn_gemms._onednn_mm_transposed}  # fmt: skip
         assert not targets & cpu_only, targets & cpu_only
         modules = list(kernel.modules())
         assert not any(isinstance(g, compiled_middle._RowBlocked) for g in modules)

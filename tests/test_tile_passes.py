@@ -36,7 +36,7 @@ from tile_pass.tiles._tile_passes import (
 )
 from tile_pass.tiles._tile_passes._graph import VIEWS
 from tile_pass.tiles._tile_passes.compiled_middle import Compiled
-from tile_pass.tiles._tile_passes.onednn_gemms import _onednn_mm, onednn_gemms_apply
+from tile_pass.tiles._tile_passes.onednn_gemms import _onednn_mm, _onednn_mm_transposed, onednn_gemms_apply
 from tile_pass.tiles._tile_passes.split_accumulation import _BlockedSplitAccumulate
 from tile_pass.tiles._tile_passes.upcast_accumulation import _BlockedUpcastAccumulate
 
@@ -109,8 +109,14 @@ SIGNATURES = {
     upcast_accumulation: (dict(dtype=torch.bfloat16, upcast=True), _has_accumulate_module),
     split_accumulation: (dict(dtype=torch.bfloat16, upcast=True, weight_grad=WeightGradSchedule.SPLIT),
                          lambda gm: any(isinstance(m, _BlockedSplitAccumulate) for m in gm.modules())),
-    onednn_gemms: (dict(dtype=torch.float32, onednn=True), lambda gm: graph_calls(gm, _onednn_mm)),
+    onednn_gemms: (dict(dtype=torch.float32, onednn=True), lambda gm: onednn_calls(gm)),
 }  # fmt: skip
+
+
+def onednn_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The GEMMs routed to oneDNN, in graph order (a transposed operand is passed as it is)."""
+    modules = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    return [n for m in modules for n in m.graph.nodes if n.target in (_onednn_mm, _onednn_mm_transposed)]
 
 
 @pytest.mark.parametrize("tile_pass_module", ORDER, ids=_name)
@@ -250,14 +256,14 @@ def test_float32_gemms_run_through_onednn_and_match_aten(compiled, bias, avx512,
     aten_key = replace(key, onednn=False)
     # the logits GEMM (with its bias) always; the hidden-gradient GEMM on an AVX-512 CPU only,
     # else aten's into a buffer of its own; the in-place weight-gradient addmm_ stays aten's
-    routed = graph_calls(kernel(key), _onednn_mm)
+    routed = onednn_calls(kernel(key))
     assert len(routed) == (2 if avx512 else 1)
     assert routed[0].meta["val"].shape == (key.tile, key.vocab_size)  # the logits
     assert len(graph_calls(kernel(key), _tile_buffers.fresh_mm)) == (0 if avx512 else 1)
     assert not graph_calls(kernel(key), torch.ops.aten.mm.default)
     assert not graph_calls(kernel(key), torch.ops.aten.addmm.default)
     assert len(graph_calls(kernel(key), torch.ops.aten.addmm_.default)) == 1
-    assert not graph_calls(kernel(aten_key), _onednn_mm)
+    assert not onednn_calls(kernel(aten_key))
     for got, want in zip(run(key), run(aten_key), strict=True):
         if want is None:
             assert got is None
@@ -268,7 +274,7 @@ def test_float32_gemms_run_through_onednn_and_match_aten(compiled, bias, avx512,
 @needs_onednn
 def test_half_precision_gemms_stay_aten():
     key = key_for(torch.bfloat16, upcast=True, onednn=True)
-    assert not graph_calls(kernel(key), _onednn_mm)
+    assert not onednn_calls(kernel(key))
 
 
 def test_onednn_mm_falls_back_to_aten_where_onednn_does_not_apply():
@@ -278,6 +284,11 @@ def test_onednn_mm_falls_back_to_aten_where_onednn_does_not_apply():
     assert empty.shape == (4, 5) and not empty.any()
     a, b, bias = torch.randn(4, 3), torch.randn(5, 3).t(), torch.randn(5)
     torch.testing.assert_close(_onednn_mm(a, b, bias), torch.addmm(bias, a, b))
+    # given the transposed operand as it is: oneDNN in float32, aten otherwise
+    for x, b_t in ((a, b.t()), (a.double(), b.t().double())):
+        torch.testing.assert_close(_onednn_mm_transposed(x, b_t), x @ b_t.t())
+        c = bias.to(x.dtype)
+        torch.testing.assert_close(_onednn_mm_transposed(x, b_t, c), torch.addmm(c, x, b_t.t()))
 
 
 # ------------------------------------------------------------------------- huge_pages
@@ -311,7 +322,7 @@ def test_float32_returned_gradients_get_a_buffer_unless_onednn_makes_them(avx512
     direct = replace(key_for(torch.float32, onednn=True), weight_grad=WeightGradSchedule.DIRECT)
     gm = kernel(direct)
     assert len(graph_calls(gm, _tile_buffers.fresh_mm)) == (0 if avx512 else 2)  # dW and dh
-    assert len(graph_calls(gm, _onednn_mm)) == (3 if avx512 else 1)  # the logits first
+    assert len(onednn_calls(gm)) == (3 if avx512 else 1)  # the logits first
 
 
 # ---------------------------------------------------------------- split_accumulation
