@@ -397,13 +397,15 @@ class _Results:
     def store(self, result: list, start: int, count: int, picked, num_outputs: int, need: _Need, whole: bool):
         """One tile's results at its rows (``picked``: the rows a gathered tile ran)."""
 
-        def put(into, value):
-            if picked is None and count == into.shape[0] == value.shape[0]:  # the only tile, unpadded
+        def put(into, value):  # one copy; a slice only where rows differ (a padded tile, a part)
+            if value.shape[0] != count:
+                value = value[:count]
+            if picked is not None:
+                into.index_copy_(0, picked, value)
+            elif count == into.shape[0]:  # the only tile
                 into.copy_(value)
-            elif picked is None:
-                into[start : start + count] = value[:count]
             else:
-                into.index_copy_(0, picked, value[:count])
+                into[start : start + count] = value
 
         if self.outputs is not None:
             for out, value in zip(self.outputs, result, strict=False):
