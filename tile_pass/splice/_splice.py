@@ -9,6 +9,7 @@ region. Nothing is changed before every step that can refuse has run.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from tile_pass.match._region_match import RowRegion
 from tile_pass.plan._plan import RegionCall
 from tile_pass.program import _region
 from tile_pass.program._region import Layout, RowProgram
+from tile_pass.program._row_selection import selected_tokens
 from tile_pass.program._token_layout import after_tiles, per_token, restore, select, spread
 from tile_pass.splice._returned_logits import ReturnedLogits
 from tile_pass.tiles.tiled_region import run_region
@@ -159,8 +161,37 @@ def _hoist(graph: torch.fx.Graph, splice: Splice, autocast_states) -> None:
     inputs = [region.hidden, region.weight, region.bias, *[t.node for t in region.token_inputs],
               *[r.node for r in region.row_inputs], *region.reduce_inputs]  # fmt: skip
     torch.fx.node.map_arg(region.slices, inputs.append)  # symbolic slice bounds
+    _read_as_written(graph, inputs, splice, order)
     for node in _to_hoist(graph, inputs, splice.point, autocast_states):
         splice.point.prepend(node)
+
+
+def _read_as_written(graph: torch.fx.Graph, inputs, splice: Splice, order: dict) -> None:
+    """Each input the op reads at its point holds there the value the region's nodes read in
+    eager: no in-place write to its memory (through any name) comes between the point and a
+    reader. A buffer the user's code writes the region's own values into and then reads
+    (``lse[a:b] = logits[a:b].logsumexp(-1)``, then ``picked - lse``) would be read unwritten."""
+    memory = {}
+    for node in graph.nodes:  # which memory each value lives in, from Dynamo's example values
+        with contextlib.suppress(AttributeError, RuntimeError, NotImplementedError):
+            memory[node] = val(node).untyped_storage()._cdata
+    writes: dict[int, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], torch.fx.Node):
+            if _writes_in_place(node, node.args[0]) and node.args[0] in memory:
+                writes.setdefault(memory[node.args[0]], []).append(node)
+    point = order[splice.point]
+    for node in inputs:
+        if not isinstance(node, torch.fx.Node) or memory.get(node) not in writes:
+            continue
+        readers = [u for u in node.users if u in splice.members] or [node]
+        for reader in readers:  # the op runs just before the point; eager reads at the reader
+            low, high = (point - 0.5, order[reader]) if point <= order[reader] else (order[reader], point - 0.5)
+            written = next((w for w in writes[memory[node]] if low < order[w] < high), None)
+            if written is not None:
+                raise NoMatch("{} reads {} after {} writes into its memory in place, but the tiled region "
+                              "runs before that write and would read it unwritten; compute it out of place "
+                              "(torch.cat of the pieces) instead", reader, node, written)  # fmt: skip
 
 
 def _slice_and_cast(graph: torch.fx.Graph, splice: Splice) -> None:
@@ -222,7 +253,7 @@ def _restore_outputs(graph: torch.fx.Graph, splice: Splice) -> None:
         rows = tokens
         if out.subset is not None:
             flat = graph.call_function(select, (flat, tokens, out.subset))
-            rows = graph.call_function(operator.getitem, (tokens, out.subset))
+            rows = graph.call_function(selected_tokens, (tokens, out.subset))
         if out.after_tiles is not None:
             after = out.after_tiles
             value = graph.call_function(
