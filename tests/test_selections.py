@@ -41,7 +41,10 @@ FLAT = (SelectionOp.FLATTEN, None)
 #: nested selections as the user writes them on a [2, 9] token grid, and the same chain of ops
 NESTED = [
     (lambda x: x[:, 2:-1][1:2], _chain(_at(ALL, slice(2, -1)), _at(slice(1, 2), ALL))),
-    (lambda x: x[:, 1:][:, :-2][1:], _chain(_at(ALL, slice(1, None)), _at(ALL, slice(-2)), _at(slice(1, None), ALL))),
+    (
+        lambda x: x[:, 1:][:, :-2][1:],
+        _chain(_at(ALL, slice(1, None)), _at(ALL, slice(-2)), _at(slice(1, None), ALL)),
+    ),
     (lambda x: x[:, :-1].reshape(-1)[4:8], _chain(_at(ALL, slice(-1)), FLAT, _at(slice(4, 8)))),
     (lambda x: x.reshape(-1)[16:24], _chain(FLAT, _at(slice(16, 24)))),  # the last chunk short
     (lambda x: x[:, 0], _chain(_at(ALL, 0))),
@@ -96,7 +99,9 @@ def complementary_halves(h, w, y):
     logits = h @ w.t()
     half = logits.shape[0] // 2
     chosen = _token_log_probs(logits[:half], y[:half]).sum(-1)
-    rejected = (logits[half:].gather(-1, y[half:].unsqueeze(-1)).squeeze(-1) - logits[half:].logsumexp(-1)).sum(-1)
+    rejected = (
+        logits[half:].gather(-1, y[half:].unsqueeze(-1)).squeeze(-1) - logits[half:].logsumexp(-1)
+    ).sum(-1)
     return -F.logsigmoid(0.1 * (chosen - rejected)).mean()
 
 
@@ -173,10 +178,20 @@ def ngram_streams(h, w, y):
     streams moved to the front (``transpose(0, 1).contiguous().view(-1, V)``)."""
     streams = h.view(B, 2, -1, h.shape[-1]) @ w.t()  # the hidden states of each stream
     main, others = streams[:, 0], streams[:, 1:]
-    lprobs = F.log_softmax(streams.transpose(0, 1).contiguous().view(-1, w.shape[0]), dim=-1, dtype=torch.float32)
+    lprobs = F.log_softmax(
+        streams.transpose(0, 1).contiguous().view(-1, w.shape[0]), dim=-1, dtype=torch.float32
+    )
     targets = y.new_full((2, B, streams.shape[2]), -100)
     targets[0], targets[1] = y[:, : streams.shape[2]], y[:, : streams.shape[2]]
     return F.nll_loss(lprobs, targets.view(-1)), main, others
+
+
+def selection_beside_a_token_slice(h, w, y):
+    """The response's log-probs (``logits[:, 2:]``) beside the first sequence's entropy over all
+    its rows (``logits[:1]``, a selection of rows the slice drops): no slice moves."""
+    logits = h @ w.t()
+    picked = _token_log_probs(logits[:, 2:], y[:, 2:]).sum()
+    return -picked + 0.01 * _entropy(logits[:1]).sum()
 
 
 def buffer_written_then_read(h, w, y):
@@ -199,6 +214,7 @@ CASES = [
     chunks_of_a_flat_token_slice,
     chunks_of_squeezed_rows,
     ngram_streams,
+    selection_beside_a_token_slice,
     buffer_written_then_read,
 ]
 
@@ -283,8 +299,48 @@ def test_values_of_different_selections_combined_are_refused_with_the_reason():
     assert not report.rewrites and len(report.skipped) == 1, str(report)
     assert "test_selections.py:" in report.skipped[0].reason, str(report)
     backend = tile_pass.backend("aot_eager", tile_tokens=SMALL_TILE)
-    out, grads = value_and_grads(torch.compile(different_selections_combined, backend=backend), leaves(h, w, y))
-    oracle, oracle_grads = value_and_grads(different_selections_combined, leaves(h, w, y, dtype=torch.float64))
+    out, grads = value_and_grads(
+        torch.compile(different_selections_combined, backend=backend), leaves(h, w, y)
+    )
+    oracle, oracle_grads = value_and_grads(
+        different_selections_combined, leaves(h, w, y, dtype=torch.float64)
+    )
+    assert_close_to_oracle(out, oracle, torch.float32, "loss")
+    for grad, ref in zip(grads[:2], oracle_grads[:2], strict=True):
+        assert_close_to_oracle(grad, ref, torch.float32, "grad")
+
+
+def test_chunks_of_a_token_slice_run_only_the_sliced_rows():
+    """The response's slice moves onto the hidden states; the chunks of it are selections of its rows."""
+    h, w, y = _inputs(batch_slices_of_a_token_slice, "cpu")
+    rewrite = tile_pass.explain(batch_slices_of_a_token_slice, h, w, y).rewrites[0]
+    assert rewrite.num_tokens == B * (T - CTX), rewrite.form
+    assert "slice tokens" in rewrite.form and "row selections [0:1], [1:2]" in rewrite.form, rewrite.form
+
+
+@pytest.mark.parametrize("chunk_size", [1024, 5], ids=["one-chunk-covers-every-row", "chunks-of-5"])
+def test_openrlhf_logsumexp_by_chunk_is_tiled_and_exact(chunk_size):
+    """OpenRLHF's own ``_logsumexp_by_chunk`` (its ``log_probs_from_logits`` without flash-attn),
+    beside the labels' logits: each chunk's slice of the flattened rows is a selection (one that
+    covers every row is none), written into OpenRLHF's buffer, which the loss then reads."""
+    try:
+        import rl_steps
+
+        utils = rl_steps.openrlhf().utils
+    except ImportError:
+        pytest.skip("openrlhf is not installed")
+
+    def step(h, w, y):
+        logits = h @ w.t()
+        lse = utils._logsumexp_by_chunk(logits.reshape(-1, logits.shape[-1]), chunk_size=chunk_size)
+        picked = torch.gather(logits, -1, y.unsqueeze(-1)).squeeze(-1)
+        return -(picked - lse.view(y.shape)).mean()
+
+    h, w, y = _inputs(step, "cpu")
+    backend = tile_pass.backend("aot_eager", tile_tokens=SMALL_TILE)
+    out, grads = value_and_grads(torch.compile(step, backend=backend), leaves(h, w, y))
+    assert len(backend.report().rewrites) == 1 and not backend.report().skipped, str(backend.report())
+    oracle, oracle_grads = value_and_grads(step, leaves(h, w, y, dtype=torch.float64))
     assert_close_to_oracle(out, oracle, torch.float32, "loss")
     for grad, ref in zip(grads[:2], oracle_grads[:2], strict=True):
         assert_close_to_oracle(grad, ref, torch.float32, "grad")

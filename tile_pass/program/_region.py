@@ -249,7 +249,9 @@ def _resolve(arg, env: dict):
         return env[arg]
     if isinstance(arg, (tuple, list)):
         resolved = (_resolve(a, env) for a in arg)
-        return type(arg)(*resolved) if hasattr(arg, "_fields") else type(arg)(resolved)  # a named tuple's fields
+        return (
+            type(arg)(*resolved) if hasattr(arg, "_fields") else type(arg)(resolved)
+        )  # a named tuple's fields
     return arg
 
 
