@@ -71,6 +71,9 @@ EXPECTED = {
     "nemo-rl/clipped-pg": "skipped",
     "nemo-rl/clipped-pg-no-metrics": "tiled",
     "nemo-rl/clipped-pg-t1": "skipped",
+    # the sampler's top-k filter as a custom autograd.Function on the logits: named with its line
+    # and a fix (test_a_top_k_filter_is_named_with_its_line_and_a_fix)
+    "nemo-rl/clipped-pg-top-k": "skipped",
 }  # fmt: skip
 
 #: steps whose compiled gradients are off under plain ``backend="aot_eager"`` too (PyTorch, not
@@ -279,3 +282,31 @@ def test_openrlhf_steps_tile_with_the_integration(name, device):
     report = backend.report()
     assert len(report.rewrites) == step.heads and not report.skipped, f"{name}\n{report}"
     _check_close(compiled, oracle, f"{name} with the integration")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_top_k_filter_is_named_with_its_line_and_a_fix(device):
+    """A top-k filter the pass cannot tile (a custom autograd.Function, whose backward is its
+    author's; or ``torch.topk`` over the row) leaves the logits whole, exact, and the skip names the
+    filter's line and what to do."""
+    step = next(s for s in S.all_steps() if _key(s) == "nemo-rl/clipped-pg-top-k")
+    backend = tile_pass.backend("aot_eager", tile_tokens=SMALL_TILE)
+    torch._dynamo.reset()
+    compiled = _run(torch.compile(step.fn, backend=backend), step.data, device, torch.float32)
+    _check_close(compiled, _eager(step, device), "nemo-rl/clipped-pg-top-k")
+    (skip,) = backend.report().skipped
+    assert "_TopKFilter.apply(logits, top_k)" in skip.reason and "rl_steps.py:" in skip.reason
+    assert "custom autograd.Function" in skip.reason and "fix:" in skip.reason
+
+    def ops_filter(h, w, d):
+        logits = (h @ w.t()) / S.TEMPERATURE
+        kth = torch.topk(logits, S.V // 2, dim=-1).values[..., -1:]
+        lp = torch.log_softmax(logits.masked_fill(logits < kth, float("-inf")), -1)
+        return -lp.gather(-1, d["input_ids"].unsqueeze(-1)).squeeze(-1).mean()
+
+    backend = tile_pass.backend("aot_eager", tile_tokens=SMALL_TILE)
+    h, w, d = S.batch(device)
+    torch.compile(ops_filter, backend=backend)(h, w, d)
+    (skip,) = backend.report().skipped
+    assert "torch.topk(logits" in skip.reason and "top-k / top-p filter" in skip.reason
+    assert "fix:" in skip.reason

@@ -17,9 +17,25 @@ from tile_pass.match._op_facts import spelling
 from tile_pass.match._records import ProgramValue, RegionValue, RowInput, SliceMode, TokenInput
 from tile_pass.match._rules import PREVIOUS_STEP, Classified, RuleKind, Shape
 from tile_pass.program import _region
-from tile_pass.program._region import Layout, Ref, RefKind, Step
+from tile_pass.program._region import Layout, Ref, RefKind, Step, target_name
 from tile_pass.program._row_selection import RowSelection
 from tile_pass.report import source_line
+
+#: readers that have no rule for a reason the user can act on, and what to do
+_CUSTOM_FUNCTION = (
+    " (a custom autograd.Function: its backward is its author's, and tile_pass never replaces a "
+    "backward by a derived one); fix: where its backward is the derivative of its forward, call the "
+    "forward's torch ops directly so the gradient is derived, or apply it outside the compiled function"
+)
+_ORDERS_THE_ROW = (
+    " (a top-k / top-p filter orders each token's whole vocabulary row, which no tile does); fix: a "
+    "filter that only repeats the sampler's is skipped when sampling without top-k / top-p (NeMo-RL: "
+    "top_k None, top_p 1.0), and the step is then tiled"
+)
+_NO_RULE_FIXES = {
+    "autograd_function_apply": _CUSTOM_FUNCTION,
+    **dict.fromkeys(("topk", "sort", "argsort", "kthvalue", "msort"), _ORDERS_THE_ROW),
+}
 
 
 def writes_in_place(node: torch.fx.Node) -> bool:
@@ -215,7 +231,7 @@ class RegionMatcher:
                           "the slice drops", node, before[0])  # fmt: skip
         rule = _rules.rule_for(node)
         if rule is None:
-            raise NoMatch("{} has no row-wise rule", node)
+            raise NoMatch("{} has no row-wise rule{}", node, _NO_RULE_FIXES.get(target_name(node.target), ""))
         return rule.classify(self, node)
 
     # ---------------------------------------------------------------- the program
