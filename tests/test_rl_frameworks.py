@@ -41,9 +41,9 @@ EXPECTED = {
     **{f"verl/padded-kl-{kl}": "tiled" for kl in ("k1", "abs", "k2", "k3", "k1+", "k3+")},
     "verl/padded-no-entropy": "tiled",
     "verl/rmpad": "tiled",
-    # `logits_rmpad.div_(T)` on `[1, nnz, V].squeeze(0)`, then logprobs_from_logits_v2's per-row
-    # loop beside the chunked entropy's row slices: "slices token rows that were regrouped"
-    "verl/rmpad-chunked-entropy": "skipped",
+    # `logits_rmpad.div_(T)` on `[1, nnz, V].squeeze(0)`, the log-probs of every row beside the
+    # chunked entropy's slices of the squeezed rows: each chunk a selection of the tiles' rows
+    "verl/rmpad-chunked-entropy": "tiled",
     "verl/rmpad-kl-k3": "tiled",
     "verl/rmpad-engine-temperature": "tiled",
     # log_probs_from_logits imports flash-attn inside a try block: a graph break between the head
@@ -63,9 +63,9 @@ EXPECTED = {
     "torchtune/grpo": "tiled",
     "torchtune/grpo-simple": "tiled",
     "torchtune/grpo-completion": "tiled",
-    # batched_logits_to_logprobs(chunk_size=1): chunks of sequences of the truncated logits, "slices
-    # the logits' token rows while `getitem` ... reads them whole"
-    "torchtune/grpo-batched-logprobs": "skipped",
+    # batched_logits_to_logprobs(chunk_size=1): chunks of sequences of the truncated logits, each a
+    # slice of a slice, one selection of the tiles' rows
+    "torchtune/grpo-batched-logprobs": "tiled",
     # ClippedPGLossFn reads a metric with .item() before the logits: a graph break between head
     # and log-softmax (reported in both graphs); without the metrics it is tiled
     "nemo-rl/clipped-pg": "skipped",
