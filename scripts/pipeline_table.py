@@ -36,8 +36,8 @@ TOP_LEVEL: list[tuple[str, tuple[str, ...]]] = [
     ("inspection", ()),
     ("stacks", ("integrations",)),
     (
-        "settings, logging, measuring",
-        ("_settings", "_logging", "_measure", "bench", "_bench_forms", "_bench_host"),
+        "settings, caches, logging, measuring",
+        ("_settings", "_caches", "_logging", "_measure", "bench", "_bench_forms", "_bench_host"),
     ),
 ]
 

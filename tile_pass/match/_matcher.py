@@ -11,12 +11,11 @@ import torch
 import torch.fx
 
 from tile_pass.match import _fx, _rules
-from tile_pass.match._fx import NoMatch, same, same_shape, val
+from tile_pass.match._fx import NoMatch, same, same_shape, source_line, val
 from tile_pass.match._records import ProgramValue, RegionValue, RowInput, TokenInput
 from tile_pass.match._rules import PREVIOUS_STEP, Classified, RuleKind, Shape
 from tile_pass.program import _region
 from tile_pass.program._region import Layout, Ref, RefKind, Step
-from tile_pass.report import source_line
 
 
 class RegionMatcher:
