@@ -248,7 +248,10 @@ def _resolve(arg, env: dict):
     if isinstance(arg, Ref):
         return env[arg]
     if isinstance(arg, (tuple, list)):
-        return type(arg)(_resolve(a, env) for a in arg)
+        resolved = (_resolve(a, env) for a in arg)
+        return (
+            type(arg)(*resolved) if hasattr(arg, "_fields") else type(arg)(resolved)
+        )  # a named tuple's fields
     return arg
 
 
