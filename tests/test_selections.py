@@ -205,6 +205,12 @@ def buffer_written_then_read(h, w, y):
     return -(picked - lse).mean()
 
 
+def per_token_values_of_different_selections_combined(h, w, y):
+    """The fix the refusal names: each selection reduced first, the per-token values combined."""
+    logits = h @ w.t()
+    return (logits[:1].logsumexp(-1) - logits[1:].logsumexp(-1)).exp().mean() + _entropy(logits).mean()
+
+
 CASES = [
     complementary_halves,
     chunked_logsumexp_one_chunk,
@@ -216,6 +222,7 @@ CASES = [
     ngram_streams,
     selection_beside_a_token_slice,
     buffer_written_then_read,
+    per_token_values_of_different_selections_combined,
 ]
 
 
@@ -297,7 +304,11 @@ def test_values_of_different_selections_combined_are_refused_with_the_reason():
     h, w, y = _inputs(different_selections_combined, "cpu")
     report = tile_pass.explain(different_selections_combined, h, w, y)
     assert not report.rewrites and len(report.skipped) == 1, str(report)
-    assert "test_selections.py:" in report.skipped[0].reason, str(report)
+    reason = report.skipped[0].reason
+    assert "`sub` at test_selections.py:" in reason and "combines values of different selections" in reason, (
+        reason
+    )
+    assert "fix: reduce each selection over the vocabulary first" in reason, reason
     backend = tile_pass.backend("aot_eager", tile_tokens=SMALL_TILE)
     out, grads = value_and_grads(
         torch.compile(different_selections_combined, backend=backend), leaves(h, w, y)

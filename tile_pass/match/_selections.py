@@ -197,7 +197,10 @@ def selection_read(matcher: RegionMatcher, node: torch.fx.Node) -> int | None:
     """The row selection the region values ``node`` reads were computed on (``None``: all rows)."""
     found = {matcher.values[a].selection for a in node.all_input_nodes if a in matcher.values}
     if len(found) > 1:
-        raise NoMatch("{} combines values of different selections of the token rows", node)
+        raise NoMatch("{} combines values of different selections of the token rows (in the tiles, row i "
+                      "of one is not row i of the other); fix: reduce each selection over the vocabulary "
+                      "first (a log-sum-exp, a gathered log-prob) and combine those per-token values",
+                      node)  # fmt: skip
     return found.pop() if found else None
 
 

@@ -131,6 +131,11 @@ def collect_outputs(matcher: RegionMatcher) -> list[RegionOutput] | None:
             raise NoMatch("{} is used whole; take its values and indices apart first", node)
         if shape.layout is Layout.ROWS and record.selection is not None:
             user = next((u for u in users if u.op != "output"), users[0])
+            why = matcher.outside.get(user)
+            if why is not None:  # the reader's own reason (values of two selections combined)
+                detail = str(why).removeprefix(describe(user)).strip(" ,:")
+                raise NoMatch("{} (rows of a selection of the logits) is also consumed by {}, which {}; so "
+                              "those rows must exist whole", node, user, detail, node=user)  # fmt: skip
             raise NoMatch("{} selects token rows that {} reads as [tokens, V] rows, so they must exist "
                           "whole", node, user, node=user)  # fmt: skip
         if shape.layout is Layout.ROWS:
