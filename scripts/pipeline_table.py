@@ -22,8 +22,16 @@ START, END = "<!-- pipeline table: scripts/pipeline_table.py --write -->", "<!--
 TOP_LEVEL: list[tuple[str, tuple[str, ...]]] = [
     (
         "entry points",
-        ("dynamo_backend", "_compile", "_logging_calls", "decorator", "functional", "_textbook", "_options",
-         "__main__"),
+        (
+            "dynamo_backend",
+            "_compile",
+            "_logging_calls",
+            "decorator",
+            "functional",
+            "_textbook",
+            "_options",
+            "__main__",
+        ),
     ),
     ("driver", ("rewrite",)),
     ("match", ()),
