@@ -30,12 +30,12 @@ import contextlib
 import dataclasses
 import functools
 import math
-import threading
 from typing import NamedTuple
 
 import torch
 
 from tile_pass import _distributed, _settings
+from tile_pass._caches import BoundedCache
 from tile_pass._logging import log
 from tile_pass.plan import _plan
 from tile_pass.plan._plan import RegionCall, TilePlan, plan_tiles
@@ -52,7 +52,6 @@ from tile_pass.tiles._tile_kernel import (
     TensorSpec,
     TileInputs,
     TileKernelKey,
-    _BoundedCache,
     differentiable,
     trace_fake,
     traced_once,
@@ -699,21 +698,16 @@ def _parsed(call: str) -> tuple[RegionCall, RowProgram]:
     return plan, _region.lookup(plan.program)
 
 
-def _cached(cache: _BoundedCache, key, make):
-    """``cache[key]``, made by ``make()`` (outside the lock: it may trace) where missing."""
-    with _caches_lock:
-        value = cache.get(key)
-    if value is None:
-        value = make()
-        with _caches_lock:
-            cache.put(key, value)
-    return value
+def _cached(cache: BoundedCache, key, make):
+    """``cache[key]``, made by ``make()`` where missing (two threads may both make it: either
+    result serves, as both are made from the same key)."""
+    value = cache.get(key)
+    return value if value is not None else cache.put(key, make())
 
 
-#: what the per-call path decides once (see _resolved, _loop_plan); clear_caches empties them
-_calls = _BoundedCache(TILE_KERNEL_CACHE_SIZE)
-_loop_plans = _BoundedCache(TILE_KERNEL_CACHE_SIZE)
-_caches_lock = threading.Lock()
+#: what the per-call path decides once per key (see _resolved, _loop_plan)
+_calls = BoundedCache("region calls", TILE_KERNEL_CACHE_SIZE)
+_loop_plans = BoundedCache("tile loop plans", TILE_KERNEL_CACHE_SIZE)
 
 
 def _need(need: list[bool], row_inputs, token_inputs) -> _Need:
