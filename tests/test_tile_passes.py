@@ -22,6 +22,7 @@ from tile_kernels import (
 )
 
 import tile_pass
+from tile_pass import _caches
 from tile_pass.plan import _tiling
 from tile_pass.plan._weight_grad import WeightGradSchedule
 from tile_pass.tiles import _tile_buffers, _tile_kernel, _tile_passes
@@ -155,7 +156,7 @@ def test_compiled_middle_in_row_blocks_is_the_whole_tiles_middle(case, monkeypat
     whole = run(key_for(**options))
     assert isinstance(middle_of(key_for(**options)), Compiled)
     monkeypatch.setattr(compiled_middle, "MIDDLE_BLOCK_BYTES", 8 * V * 4)  # blocks of 8 or 16 rows
-    _tile_kernel.clear_caches()
+    tile_pass.clear_caches()
     middle = middle_of(key_for(**options))
     # with a bias the middle adds the bias gradient into its sum: blocks would reorder it
     if options.get("bias") or not _tiling.STORE_GRAD_OVER_LOGITS:
@@ -168,7 +169,7 @@ def test_compiled_middle_in_row_blocks_is_the_whole_tiles_middle(case, monkeypat
             assert got is None
         else:
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-    _tile_kernel.clear_caches()
+    tile_pass.clear_caches()
 
 
 def test_returned_logits_keep_their_own_buffer():
@@ -223,7 +224,7 @@ def test_half_precision_weight_gradient_is_added_by_a_compiled_kernel():
 def test_half_precision_weight_gradient_is_formed_in_row_blocks(monkeypatch):
     """With blocks of 40 rows, V=96 runs as 40 + 40 + 16 rows: no [V, H] bf16 temporary, and
     the float32 sum equals the eager tile's."""
-    monkeypatch.setattr(_tile_kernel, "_cache", _tile_kernel._BoundedCache(8))
+    monkeypatch.setattr(_tile_kernel, "_cache", _caches.BoundedCache("tile functions", 8))
     monkeypatch.setattr(upcast_accumulation, "UPCAST_BLOCK_BYTES", 40 * H * 2)
     options = CASES["bf16-upcast-bias"]
     key = key_for(**options)
@@ -287,7 +288,7 @@ def test_only_a_returned_weight_gradient_gets_a_buffer_of_its_own():
     """The only tile's weight gradient (the ``direct`` schedule, returned) is formed into a
     buffer of its own from _tile_buffers.empty (huge pages where it is large enough), as is the
     returned hidden gradient; a weight gradient summed across tiles is not."""
-    _tile_kernel.clear_caches()
+    tile_pass.clear_caches()
     try:
         summed = key_for(torch.bfloat16, upcast=True)
         direct = replace(summed, weight_grad=WeightGradSchedule.DIRECT)
@@ -298,7 +299,7 @@ def test_only_a_returned_weight_gradient_gets_a_buffer_of_its_own():
         _, _, want = call(eager, *make_inputs(eager))
         torch.testing.assert_close(grad_weight, want, rtol=0, atol=0)
     finally:
-        _tile_kernel.clear_caches()
+        tile_pass.clear_caches()
 
 
 @needs_onednn

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Hashable
 
 import torch
@@ -11,7 +12,19 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from tile_pass.program._region import target_name
-from tile_pass.report import source_line
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>.*)')
+
+
+def source_line(node) -> str:
+    """``file:line (function): code`` of the user frame that produced ``node``, or ``?``."""
+    trace = node.meta.get("stack_trace") if node is not None else None
+    frames = list(_FRAME.finditer(trace or ""))
+    if not frames:
+        return "?"
+    last = frames[-1]
+    path = last["file"].rsplit("/", 1)[-1]
+    return f"{path}:{last['line']} ({last['func']}): {last['code'].strip()}"
 
 
 class NoMatch(Exception):

@@ -12,14 +12,13 @@ import torch
 import torch.fx
 
 from tile_pass.match import _fx, _rules
-from tile_pass.match._fx import NoMatch, same, same_shape, val
+from tile_pass.match._fx import NoMatch, same, same_shape, source_line, val
 from tile_pass.match._op_facts import spelling
 from tile_pass.match._records import ProgramValue, RegionValue, RowInput, SliceMode, TokenInput
 from tile_pass.match._rules import PREVIOUS_STEP, Classified, RuleKind, Shape
 from tile_pass.program import _region
 from tile_pass.program._region import Layout, Ref, RefKind, Step, target_name
 from tile_pass.program._row_selection import RowSelection
-from tile_pass.report import source_line
 
 #: readers that have no rule for a reason the user can act on, and what to do
 _CUSTOM_FUNCTION = (

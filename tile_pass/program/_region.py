@@ -22,13 +22,13 @@ import enum
 import functools
 import hashlib
 import operator
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from tile_pass._caches import BoundedCache
 from tile_pass.match._op_facts import RuleKind, facts_for
 
 
@@ -340,8 +340,11 @@ _CALLER_KEYS = (
 
 # ------------------------------------------------------------------------------ registry
 
-_programs: dict[str, RowProgram] = {}
-_lock = threading.Lock()
+#: Programs kept at once beyond those a compiled graph holds: a program is found by its key as
+#: long as a graph that calls it is alive (it holds the program, see :func:`hold`), so only a
+#: program no live graph calls can be evicted, and the first of its region's calls is far behind.
+PROGRAM_CACHE_SIZE = 1024
+_programs = BoundedCache("row programs", PROGRAM_CACHE_SIZE, find_while_referenced=True)
 
 
 def _canonical(obj) -> str:
@@ -366,18 +369,18 @@ def _canonical(obj) -> str:
 def register(program: RowProgram) -> RowProgram:
     """Register ``program``; returns it with its key (a hash of its content) filled in."""
     key = "rowprog-" + hashlib.sha256(_canonical(program).encode()).hexdigest()[:24]
-    keyed = RowProgram(**{**program.__dict__, "key": key})
-    with _lock:
-        _programs.setdefault(key, keyed)
-    return _programs[key]
+    return _programs.setdefault(key, RowProgram(**{**program.__dict__, "key": key}))
 
 
 def lookup(key: str) -> RowProgram:
-    try:
+    """The program registered under ``key``."""
+    if key in _programs:  # a plain read first: Dynamo traces it where the functional API is compiled
         return _programs[key]
-    except KeyError:
+    program = _programs.get(key)  # evicted, or still held by a graph
+    if program is None:
         raise RuntimeError(
             f"tile_pass: row program {key!r} is not registered in this process. It is registered when "
             "tile_pass rewrites the graph; a compiled artifact loaded without that rewrite (an AOT "
             "package) cannot run it. Compile with backend='tile_pass' in this process."
-        ) from None
+        )
+    return program

@@ -26,9 +26,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from tile_pass._caches import BoundedCache, on_tracing_thread
 from tile_pass._logging import log
 from tile_pass.program import _region
-from tile_pass.tiles._tile_kernel import _BoundedCache, on_tracing_thread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +45,9 @@ class _Derived:
 
 
 #: per program and input dtypes: the graphs traced for it (a few size classes each)
-_derived = _BoundedCache(64)
+_derived = BoundedCache("token-weight graphs", 64)
 #: per program, input dtypes and sizes: the graph whose guards those sizes pass
-_by_sizes = _BoundedCache(1024)
+_by_sizes = BoundedCache("token-weight graphs by sizes", 1024)
 _lock = threading.Lock()
 _MAX_SIZE_CLASSES = 8
 _UNTRACEABLE = "eager"
