@@ -22,8 +22,16 @@ START, END = "<!-- pipeline table: scripts/pipeline_table.py --write -->", "<!--
 TOP_LEVEL: list[tuple[str, tuple[str, ...]]] = [
     (
         "entry points",
-        ("dynamo_backend", "_compile", "_logging_calls", "decorator", "functional", "_textbook", "_options",
-         "__main__"),
+        (
+            "dynamo_backend",
+            "_compile",
+            "_logging_calls",
+            "decorator",
+            "functional",
+            "_textbook",
+            "_options",
+            "__main__",
+        ),
     ),
     ("driver", ("rewrite",)),
     ("match", ()),
@@ -36,8 +44,8 @@ TOP_LEVEL: list[tuple[str, tuple[str, ...]]] = [
     ("inspection", ()),
     ("stacks", ("integrations",)),
     (
-        "settings, logging, measuring",
-        ("_settings", "_logging", "_measure", "bench", "_bench_forms", "_bench_host"),
+        "settings, caches, logging, measuring",
+        ("_settings", "_caches", "_logging", "_measure", "bench", "_bench_forms", "_bench_host"),
     ),
 ]
 

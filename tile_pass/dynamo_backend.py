@@ -17,7 +17,14 @@ from tile_pass._options import TileOptions, tile_options
 from tile_pass.inspection import _dump
 from tile_pass.inspection._oracle import validating_call
 from tile_pass.report import GraphReport, Report, graph_break_hint
-from tile_pass.rewrite import GRAPH_BREAK, LEFT_WHOLE, internal_error, is_region_node, rewrite_graph
+from tile_pass.rewrite import (
+    GRAPH_BREAK,
+    LEFT_WHOLE,
+    internal_error,
+    is_region_node,
+    programs_called,
+    rewrite_graph,
+)
 from tile_pass.splice._returned_logits import rebuild_outputs
 from tile_pass.tiles._higher_order import guard_outputs, outputs_guarded, region_outputs
 
@@ -164,7 +171,7 @@ class Backend:
             gm.recompile()
             report.rewrites.clear()
             report.skipped.append(internal_error(report.index, lines, error))
-            return inner_compiler(gm, example_inputs)
+            return _holding(inner_compiler(gm, example_inputs), programs_called(gm.graph))
         # a second derivative through a region raises where it is requested (see _higher_order)
         first_order = region_outputs(gm, is_region_node)
         if result.returned_logits:
@@ -181,7 +188,7 @@ class Backend:
                 num_outputs,
                 on_result=lambda result: setattr(report, "validation", result),
             )
-        return compiled
+        return _holding(compiled, programs_called(gm.graph))
 
     def report(self) -> Report:
         """The decisions on every graph this backend compiled (up to ``keep_reports``)."""
@@ -292,6 +299,23 @@ def backend(inner: str | CompilerFn = "inductor", **settings: Any) -> Backend:
     ``tile_pass.backend("aot_eager", tile_tokens=256, drop_logits=True)``.
     """
     return Backend(inner, **settings)
+
+
+def _holding(compiled: Callable, programs: tuple) -> Callable:
+    """``compiled``, holding the programs its region calls run, which it names by key only: the
+    program registry forgets a program nothing holds (see :func:`tile_pass.rewrite.programs_called`)."""
+    if not programs:
+        return compiled
+    try:
+        compiled.tile_pass_programs = (*getattr(compiled, "tile_pass_programs", ()), *programs)
+        return compiled
+    except AttributeError:  # a bound method (the inner compiler "eager"): a function holds them
+
+        def run(*args):
+            return compiled(*args)
+
+        run.tile_pass_programs = programs
+        return run
 
 
 def _with_rebuilt_outputs(compiled: Callable, num_outputs: int, records) -> Callable:

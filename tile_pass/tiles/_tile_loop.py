@@ -11,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import math
 
 import torch
 
+from tile_pass import _settings
+from tile_pass._caches import BoundedCache
 from tile_pass.plan import _plan
 from tile_pass.plan._plan import RegionCall, TilePlan, plan_tiles
 from tile_pass.plan._weight_grad import WeightGradSchedule
@@ -21,7 +24,7 @@ from tile_pass.program._operands import GroupKind, RegionOperands
 from tile_pass.program._region import RowProgram
 from tile_pass.tiles import _split_planes, _tile_buffers, _tile_function
 from tile_pass.tiles._coupled_tiles import CoupledTiles, positions, running
-from tile_pass.tiles._tile_kernel import TileInputs, TileKernelKey
+from tile_pass.tiles._tile_kernel import TILE_KERNEL_CACHE_SIZE, TileInputs, TileKernelKey
 from tile_pass.tiles._tile_passes.onednn_gemms import onednn_gemms_apply
 from tile_pass.tiles._tile_results import TileResults
 
@@ -35,12 +38,72 @@ def check_indices(program: RowProgram, tokens: tuple[torch.Tensor, ...]) -> None
         if index.device.type != "cpu" or index.numel() == 0:
             continue
         vocab_size = program.shard[2] if program.shard is not None else program.vocab_size
+        if _in_vocabulary(index, vocab_size, ignore_index):
+            continue
         bad = (index < 0) | (index >= vocab_size)
         if ignore_index is not None:
             bad &= index != ignore_index
         if bad.any():
             error = IndexError if message.startswith("Target") else RuntimeError
             raise error(message.format(int(index[bad][0])))
+
+
+def _in_vocabulary(index: torch.Tensor, vocab_size: int, ignore_index: int | None) -> bool:
+    """Whether every index is in ``[0, vocab_size)`` or is ``ignore_index``: the smallest and
+    largest index, the ignored ones counted as 0 (three small ops each call, where finding the
+    bad ones takes five; those are found only when this says there are some)."""
+    if vocab_size == 0 or index.dtype not in _INDEX_DTYPES:
+        return False
+    if ignore_index is not None:
+        index = index.masked_fill(index == ignore_index, 0)
+    low, high = torch.aminmax(index)
+    return int(low) >= 0 and int(high) < vocab_size
+
+
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _zero_weight(weight: torch.Tensor, num_tokens: int) -> torch.Tensor | bool:
+    """Per token, whether its token weight is zero over its whole row part (see _uniform)."""
+    value = _uniform(weight)
+    if value is not None:
+        return value == 0
+    return weight == 0 if weight.dim() == 1 else (weight.reshape(num_tokens, -1) == 0).all(-1)
+
+
+def _finite_weight(weight: torch.Tensor, num_tokens: int) -> torch.Tensor | bool:
+    """Per token, whether its token weight is finite over its whole row part (see _uniform)."""
+    value = _uniform(weight)
+    if value is not None:
+        return math.isfinite(value)
+    flags = torch.isfinite(weight if weight.dim() == 1 else weight.reshape(num_tokens, -1))
+    return flags if weight.dim() == 1 else flags.all(-1)
+
+
+def _uniform(weight: torch.Tensor) -> float | None:
+    """The one value of a weight broadcast to every token (a mean's ``1 / count``), else ``None``:
+    a flag of it then stands for every token, one element read instead of a pass over them."""
+    if weight.numel() and not any(weight.stride()):
+        return weight.as_strided((), ()).item()
+    return None
+
+
+def _either(a: torch.Tensor | bool, b: torch.Tensor | bool) -> torch.Tensor | bool:
+    """``a | b`` of per-token flags, where a ``bool`` stands for every token (no op for one)."""
+    if a is False or b is True:
+        return b
+    if b is False or a is True:
+        return a
+    return a | b
+
+
+def _both(a: torch.Tensor | bool, b: torch.Tensor | bool) -> torch.Tensor | bool:
+    """``a & b`` of per-token flags, as :func:`_either`."""
+    if a is True or b is False:
+        return b
+    if b is True or a is False:
+        return a
+    return a & b
 
 
 def skipped_rows(program: RowProgram, operands: RegionOperands, weights: dict | None, values: bool):
@@ -67,14 +130,16 @@ def skipped_rows(program: RowProgram, operands: RegionOperands, weights: dict | 
             here, exact_here = out.zeros.tokens(operands.tokens)
             exact = exact and exact_here
         if weights is not None and index in weights and (out.only_loss or not values):
-            flag = (weights[index].reshape(hidden.shape[0], -1) == 0).all(-1)
-            here, exact = (flag if here is None else here | flag), False
+            flag = _zero_weight(weights[index], hidden.shape[0])
+            here, exact = (flag if here is None else _either(here, flag)), False
         if here is None:
             return None
-        skip = here if skip is None else skip & here
+        skip = here if skip is None else _both(skip, here)
     if skip is not None and weights:
-        for weight in weights.values():
-            skip &= torch.isfinite(weight.reshape(hidden.shape[0], -1)).all(-1)
+        for weight in weights.values():  # out of place: ``skip`` may be a caller's mask
+            skip = _both(skip, _finite_weight(weight, hidden.shape[0]))
+    if isinstance(skip, bool):  # flags of broadcast weights only: the same for every token
+        skip = torch.full((hidden.shape[0],), skip, dtype=torch.bool, device=hidden.device)
     if skip is None or not skip.any():
         return None
     if not exact and not torch.isfinite(hidden[skip]).all():
@@ -134,7 +199,8 @@ def _tile_of(t: torch.Tensor, start: int, stop: int, size: int, zeros: bool = Fa
     """Rows ``start:stop`` of ``t``, padded to ``size`` rows. Padding rows repeat a real row
     (finite wherever the data is) and get a zero tangent (``zeros``), so they add exactly
     nothing to any gradient sum."""
-    t = t[start:stop]
+    if start or stop != t.shape[0]:  # the whole tensor is its own tile: no slice to dispatch
+        t = t[start:stop]
     if t.shape[0] == size:
         return t
     missing = size - t.shape[0]
@@ -162,21 +228,18 @@ def run_tiles(
     bounds and evaluate the tangents of the differentiable outputs themselves, from the loss's
     ``loss_operands`` (the op's, the hidden states as the graph shapes them)."""
     operands, tangents = _as_tiles_take(program, operands, tangents)
-    rows, key, bounds, tile_plan = _loop_plan(program, call, operands, tangents, need, rows, coupled)
+    rows, loop_plan = _loop_plan(program, call, operands, tangents, need, rows, coupled)
+    key = loop_plan.key
     num_tokens = operands.hidden.shape[0] if rows is None else rows.numel()
     out = TileResults.allocate(program, key, operands, num_tokens, keep_outputs, rows)
     split = need.weight and key.weight_grad is WeightGradSchedule.SPLIT
     direct = need.weight and key.weight_grad is WeightGradSchedule.DIRECT
     tangent_list = [tangents[i] for i in key.tangents] if coupled is None else []
-    kernel = _kernel(key, key.tile) if num_tokens else None  # no tile, no trace (an empty batch)
-    kernel_size = key.tile
     tokens = operands.hidden.shape[0]
     loop = contextlib.nullcontext() if coupled is None else running(program, tokens, loss_operands)
     with loop:
-        for start, count in bounds:
-            size = tile_plan.rows_for(count)  # a short tile: padded
-            if size != kernel_size:
-                kernel, kernel_size = _kernel(key, size), size
+        for start, count, size in loop_plan.tiles:
+            kernel = loop_plan.kernel(size)
             picked, tile_operands, tangent_tiles = _tile_rows(
                 operands, tangent_list, start, count, size, rows
             )
@@ -198,12 +261,6 @@ def run_tiles(
     return out.finish(program, call.compile_tiles, operands)
 
 
-def _kernel(key: TileKernelKey, size: int):
-    """What the loop calls per tile of ``size`` rows (traced once per key and size)."""
-    key = key if size == key.tile else dataclasses.replace(key, tile=size)
-    return _tile_function.per_tile(_tile_function.tile_kernel(key))
-
-
 def _as_tiles_take(program: RowProgram, operands: RegionOperands, tangents: dict):
     """The operands and tangents as the traced tiles take them: contiguous (a derived token
     weight can be a broadcast scalar), a half-precision bias added after the matmul upcast (see
@@ -215,29 +272,85 @@ def _as_tiles_take(program: RowProgram, operands: RegionOperands, tangents: dict
     return operands._replace(bias=bias).with_kind(GroupKind.PER_TOKEN, lambda t: t.contiguous()), tangents
 
 
+@dataclasses.dataclass(frozen=True)
+class _LoopPlan:
+    """What a tile loop decides from the program, the plan's constants, the sizes, dtypes and
+    devices and what it differentiates, and from nothing else: made once per such signature
+    (:func:`_loop_plan`), so a step with the same shapes pays a dictionary lookup for it."""
+
+    tile_plan: TilePlan
+    key: TileKernelKey  # the full-size tiles' traced function
+    tiles: tuple[tuple[int, int, int], ...]  # (first row, rows, the traced tile's rows: padded)
+    kernels: dict = dataclasses.field(default_factory=dict, compare=False)  # by tile rows, on first use
+
+    def kernel(self, size: int):
+        """The per-tile function of ``size`` rows (traced once per process, see traced_once)."""
+        kernel = self.kernels.get(size)
+        if kernel is None:
+            key = self.key if size == self.key.tile else dataclasses.replace(self.key, tile=size)
+            kernel = self.kernels[size] = _tile_function.per_tile(_tile_function.tile_kernel(key))
+        return kernel
+
+
 def _loop_plan(program, call, operands: RegionOperands, tangents, need, rows, coupled):
-    """``(rows, kernel key, tile bounds, plan)`` of one loop: the plan's tiles in token order,
-    or a coupled loop's whole groups in its own order (its kernel evaluating its tangents)."""
+    """``(rows, loop plan)`` of one loop: the plan's tiles in token order, or a coupled loop's
+    whole groups in its own order (its kernel evaluating its tangents). Only the count of the
+    rows reaches a plan in token order (not which tokens were skipped): it is kept per signature."""
+    head = (program, call, operands, tangents, need)
     if coupled is not None:
-        rows = coupled.order
+        rows, loop_plan = coupled.order, _coupled_loop(*head, coupled)
+    else:
+        hidden, weight, bias = operands.hidden, operands.weight, operands.bias
+        num_tokens = hidden.shape[0] if rows is None else rows.numel()
+        signature = (
+            program.key, call, num_tokens, hidden.shape, hidden.dtype, hidden.device, weight.shape,
+            weight.dtype, weight.device, None if bias is None else bias.dtype,
+            tuple((t.shape[1:], t.dtype) for t in operands.of_kind(GroupKind.PER_TOKEN)),
+            tuple((t.shape, t.dtype) for t in operands.in_tiles().of_kind(GroupKind.WHOLE)),
+            tuple(sorted(tangents)), need, _settings.current(),
+        )  # fmt: skip
+        loop_plan = cached(_loop_plans, signature, lambda: _ordered_loop(*head, num_tokens))
+    _plan.ran(loop_plan.tile_plan)
+    return rows, loop_plan
+
+
+def _ordered_loop(program, call, operands: RegionOperands, tangents, need, num_tokens: int) -> _LoopPlan:
+    """Tiles of the plan's size over ``num_tokens`` rows, in order, the last one padded."""
     hidden, weight = operands.hidden, operands.weight
-    num_tokens = hidden.shape[0] if rows is None else rows.numel()
     tile_plan = plan_tiles(
         num_tokens, hidden.shape[0], call.tile, weight.shape, weight.dtype, weight.device, call.compile_tiles,
         need.weight,
     )  # fmt: skip
-    if coupled is not None:
-        tile_plan = tile_plan.in_groups(coupled.tile, len(coupled.bounds))
-    _plan.ran(tile_plan)
     key = _kernel_key(program, call, tile_plan, operands, tangents, need)
-    if coupled is None:
-        tile = key.tile
-        return (
-            rows,
-            key,
-            [(start, min(tile, num_tokens - start)) for start in range(0, num_tokens, tile)],
-            tile_plan,
-        )
+    bounds = [(start, min(key.tile, num_tokens - start)) for start in range(0, num_tokens, key.tile)]
+    return _LoopPlan(tile_plan, key, _padded(tile_plan, bounds))
+
+
+def _coupled_loop(program, call, operands: RegionOperands, tangents, need, tiles: CoupledTiles) -> _LoopPlan:
+    """The tiles of whole coupled groups ``tiles``, in its order (its kernel evaluating its tangents)."""
+    hidden, weight = operands.hidden, operands.weight
+    tile_plan = plan_tiles(
+        tiles.order.numel(), hidden.shape[0], call.tile, weight.shape, weight.dtype, weight.device,
+        call.compile_tiles, need.weight,
+    )  # fmt: skip
+    tile_plan = tile_plan.in_groups(tiles.tile, len(tiles.bounds))
+    key = _kernel_key(program, call, tile_plan, operands, tangents, need)
     diff = tuple(i for i, out in enumerate(program.outputs) if out.differentiable)
     key = dataclasses.replace(key, tangents=diff if need.any() else (), coupled=True)
-    return rows, key, coupled.bounds, tile_plan
+    return _LoopPlan(tile_plan, key, _padded(tile_plan, tiles.bounds))
+
+
+def _padded(tile_plan: TilePlan, bounds) -> tuple[tuple[int, int, int], ...]:
+    """``(start, count)`` tiles with the rows each one's traced function takes: a short tile padded."""
+    return tuple((start, count, tile_plan.rows_for(count)) for start, count in bounds)
+
+
+def cached(cache: BoundedCache, key, make):
+    """``cache[key]``, made by ``make()`` where missing (two threads may both make it: either
+    result serves, as both are made from the same key)."""
+    value = cache.get(key)
+    return value if value is not None else cache.put(key, make())
+
+
+#: the loops' plans by signature (see _loop_plan)
+_loop_plans = BoundedCache("tile loop plans", TILE_KERNEL_CACHE_SIZE)

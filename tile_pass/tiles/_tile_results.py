@@ -146,11 +146,15 @@ class TileResults:
         """One tile's results at its rows (``picked``: the rows a gathered tile ran): its outputs,
         then its per-token gradients (:func:`~tile_pass.tiles._tile_function._joint`'s order)."""
 
-        def put(into, value):
-            if picked is None:
-                into[start : start + count] = value[:count]
+        def put(into, value):  # one copy; a slice only where rows differ (a padded tile, a part)
+            if value.shape[0] != count:
+                value = value[:count]
+            if picked is not None:
+                into.index_copy_(0, picked, value)
+            elif count == into.shape[0]:  # the only tile
+                into.copy_(value)
             else:
-                into.index_copy_(0, picked, value[:count])
+                into[start : start + count] = value
 
         if self.outputs is not None:
             for out, value in zip(self.outputs, result, strict=False):

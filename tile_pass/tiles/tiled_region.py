@@ -35,6 +35,7 @@ import functools
 import torch
 
 from tile_pass import _distributed
+from tile_pass._caches import BoundedCache
 from tile_pass._logging import log
 from tile_pass.plan._plan import RegionCall, plan_tiles
 from tile_pass.program import _region
@@ -43,7 +44,8 @@ from tile_pass.program._region import RowProgram
 from tile_pass.program._token_weights import token_weights
 from tile_pass.tiles._coupled_tiles import coupled_tiles
 from tile_pass.tiles._higher_order import anchors, refuse_higher_order, scaled_by_upstream
-from tile_pass.tiles._tile_loop import check_indices, run_tiles, skipped_rows
+from tile_pass.tiles._tile_kernel import TILE_KERNEL_CACHE_SIZE
+from tile_pass.tiles._tile_loop import cached, check_indices, run_tiles, skipped_rows
 from tile_pass.tiles._tile_results import (
     RegionResult,
     fake_grads,
@@ -55,9 +57,19 @@ from tile_pass.tiles._tile_results import (
 
 
 def _resolved(call: str) -> tuple[RegionCall, RowProgram]:
-    """The record an op's ``call`` key stands for, and its region's program."""
+    """The record an op's ``call`` key stands for, and its region's program: parsed once per key
+    (the ops' implementations run here each call; :func:`run_region`, which Dynamo may trace,
+    parses its key itself)."""
+    return cached(_calls, call, lambda: _parsed(call))
+
+
+def _parsed(call: str) -> tuple[RegionCall, RowProgram]:
     plan = RegionCall.parse(call)
     return plan, _region.lookup(plan.program)
+
+
+#: what the per-call path decides once per key (see _resolved; the loop's plans: _tile_loop)
+_calls = BoundedCache("region calls", TILE_KERNEL_CACHE_SIZE)
 
 
 def _given(region: RowProgram, hidden, weight, bias, operands: list) -> RegionOperands:
@@ -316,7 +328,7 @@ def run_region(
         return _distributed.on_local_shards(
             functools.partial(run_region, call=call), hidden, weight, bias, operands
         )
-    region = _resolved(call)[1]
+    region = _region.lookup(RegionCall.parse(call).program)
     if region.reduction is None:
         return _row_region(hidden, weight, bias, operands, call=call)
     grad_on = torch.is_grad_enabled()
