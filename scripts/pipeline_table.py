@@ -40,7 +40,7 @@ TOP_LEVEL: list[tuple[str, tuple[str, ...]]] = [
     ("splice", ()),
     ("tiles", ()),
     ("distributed", ("_distributed",)),
-    ("report and validation", ("report", "validation")),
+    ("report and validation", ("report", "_rewrite_record", "validation")),
     ("inspection", ()),
     ("stacks", ("integrations",)),
     (

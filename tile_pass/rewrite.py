@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from tile_pass._logging import log
 from tile_pass._options import TileOptions
+from tile_pass._rewrite_record import optimization_hint, rewrite_record
 from tile_pass.match import _region_match, _rules
 from tile_pass.match._fold_loops import fold_row_loops
 from tile_pass.match._functionalize import functionalize_writes
@@ -29,7 +30,7 @@ from tile_pass.plan._plan import RegionCall
 from tile_pass.plan._tiling import TileSize, choose_tile_tokens
 from tile_pass.program import _region
 from tile_pass.program._region import RowProgram
-from tile_pass.report import GraphReport, Skip, optimization_hint, rewrite_record
+from tile_pass.report import GraphReport, Skip
 from tile_pass.splice import _splice
 from tile_pass.splice._returned_logits import ReturnedLogits
 from tile_pass.tiles.tiled_region import run_region
