@@ -28,13 +28,13 @@ from tile_pass.match import _region_match, _rules
 from tile_pass.match._fold_loops import fold_row_loops
 from tile_pass.match._functionalize import functionalize_writes
 from tile_pass.match._fx import NoMatch, as_linear, describe, projection_of, same, val
-from tile_pass.match._op_facts import RuleKind, facts_for, spelling
 from tile_pass.match._records import describe_output
-from tile_pass.match._rules import LOSS_SIGNATURES, bind
+from tile_pass.match._rule_base import LOSS_SIGNATURES, bind
 from tile_pass.plan import _weight_grad
 from tile_pass.plan._plan import RegionCall, plan_tiles
 from tile_pass.plan._tiling import TileSize, choose_tile_tokens
 from tile_pass.plan._weight_grad import WeightGradSchedule
+from tile_pass.program._op_facts import RuleKind, facts_for, spelling
 from tile_pass.program._region import Layout, Step
 from tile_pass.report import GraphReport, Rewrite, Skip, logits_bytes_fields, source_line
 from tile_pass.splice import _splice

@@ -70,12 +70,12 @@ def match_row_region(
     matcher = None
     try:
         return _build_region(matcher := _walked(graph, projection, linear, states, drop_rows))
-    except NoMatch as why:
+    except NoMatch as stopped:
         if matcher is None:
             raise
-        why.depends = matcher.depends  # the skip replaces the reports of the losses it holds
+        why = stopped.but(depends=matcher.depends)  # the skip replaces the reports of the losses it holds
         if not matcher.slices and not matcher.saw_selection:
-            raise
+            raise why from None
         # a token slice read beside all rows (DPO's NLL on the chosen half): the second pass keeps
         # every slice a selection of the tiles' rows; if that fails too, the first reason stands
         try:
@@ -116,7 +116,7 @@ def first_stop(
 def _build_region(matcher: RegionMatcher) -> RowRegion | None:
     """The outputs, the scalar loss, then the program registered and the region's record; None if
     the region holds no head."""
-    outputs = collect_outputs(matcher)
-    if outputs is None:
+    found = collect_outputs(matcher)
+    if found is None:
         return None
-    return build_region(matcher, outputs, scalar_loss(matcher, outputs))
+    return build_region(matcher, found, scalar_loss(matcher, found.outputs))

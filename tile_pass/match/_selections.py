@@ -5,7 +5,6 @@ selection is a value of its rows alone)."""
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -13,8 +12,8 @@ import torch.fx
 
 from tile_pass.match._fx import NoMatch, leading_index, same_shape, val
 from tile_pass.match._matcher import RegionMatcher
-from tile_pass.match._op_facts import Selects, facts_for
-from tile_pass.match._rules import Shape
+from tile_pass.match._rule_base import Shape
+from tile_pass.program._op_facts import Selects, facts_for
 from tile_pass.program._region import Layout
 
 
@@ -56,7 +55,7 @@ def token_slice(matcher: RegionMatcher, node: torch.fx.Node) -> bool:
     tokens = tuple(val(node).shape[:-1])
     matcher.slices.append(index)
     matcher.slice_steps.append(len(matcher.program))  # the first value after it (the report shows it there)
-    matcher.hidden_tokens, matcher.num_tokens = tokens, math.prod(tokens)
+    matcher.hidden_tokens = tokens
     matcher.join(node, matcher.values[source].value, Shape(Layout.ROWS, tokens))
     return True
 
@@ -141,11 +140,3 @@ def row_selection_of(
         known = len(matcher.selections) - 1
     matcher.join(node, matcher.values[source].value, Shape(Layout.ROWS, tokens), selection=known)
     return True
-
-
-def selection_read(matcher: RegionMatcher, node: torch.fx.Node) -> int | None:
-    """The row selection the region values ``node`` reads were computed on (``None``: all rows)."""
-    found = {matcher.values[a].selection for a in node.all_input_nodes if a in matcher.values}
-    if len(found) > 1:
-        raise NoMatch("{} combines values of different selections of the token rows", node)
-    return found.pop() if found else None
