@@ -7,10 +7,11 @@ import torch
 import torch.fx
 
 from tile_pass.match._fx import NoMatch, as_linear, describe, same, val
-from tile_pass.match._matcher import RegionMatcher
+from tile_pass.match._matcher import RegionMatcher, memory, writes_in_place
 from tile_pass.match._partners import add_partner, partner_projections
 from tile_pass.match._records import RegionOutput, RegionOutputs
-from tile_pass.match._selections import row_selection, token_slice
+from tile_pass.match._rule_base import Shape
+from tile_pass.match._selections import leave_returned_selections, row_selection, token_slice
 from tile_pass.match._sharding import no_op_redistribute
 from tile_pass.program._op_facts import facts_for
 from tile_pass.program._region import Layout
@@ -76,6 +77,8 @@ def walk(matcher: RegionMatcher) -> None:
         if node is matcher.projection or not any(a in matcher.depends for a in node.all_input_nodes):
             continue
         matcher.depends.add(node)
+        if writes_in_place(node) and memory(node.args[0]) is not None:  # a buffer given the logits' values
+            matcher.written.setdefault(memory(node.args[0]), node)
         if any(a in cone for a in node.all_input_nodes) and not _projection_like(node):
             cone.add(node)
             # a loss-like op reading the logits, however far: this projection is a head
@@ -108,6 +111,7 @@ def collect_outputs(matcher: RegionMatcher) -> RegionOutputs | None:
     """The region values read outside the region; None if it holds no head."""
     if not matcher.head_signs:
         return None
+    leave_returned_selections(matcher)
     outputs, dropped, kept_whole = [], [], []
     for node, record in matcher.values.items():
         users = [u for u in node.users if u not in matcher.values]
@@ -116,7 +120,8 @@ def collect_outputs(matcher: RegionMatcher) -> RegionOutputs | None:
         index, shape = record.value.index, record.shape
         if record.after_tiles is not None:  # the output is the tiles' per-token value
             grad = bool(val(node).requires_grad)
-            outputs.append(RegionOutput(node, index, record.value.shape, grad, record.after_tiles))
+            shape = Shape(record.value.shape.layout, record.shape.tokens)  # its own token dims
+            outputs.append(RegionOutput(node, index, shape, grad, record.after_tiles))
             continue
         if shape.layout is Layout.TUPLE:
             raise NoMatch("{} is used whole; take its values and indices apart first", node)
@@ -147,8 +152,7 @@ def _rows_left(matcher: RegionMatcher, node: torch.fx.Node, users: list[torch.fx
     computed before the token slice (the tiles run the sliced rows); None if the tiles write
     them. ``NoMatch`` if a reader needs them whole."""
     if matcher.values[node].selection is not None:
-        raise NoMatch("{} selects token rows that {} reads as [tokens, V] rows, so they must exist "
-                      "whole", node, users[0], node=users[0])  # fmt: skip
+        _selection_read_whole(matcher, node, users)
     returned = all(u.op == "output" for u in users)
     if matcher.before_slice(node):  # before the token slice: returned whole, or dropped
         if returned:
@@ -158,7 +162,7 @@ def _rows_left(matcher: RegionMatcher, node: torch.fx.Node, users: list[torch.fx
                       "exist whole", first, users[0])  # fmt: skip
     if matcher.drop_rows and returned and not matcher.slices:
         return True
-    user = next((u for u in users if u.op != "output"), None)
+    user = next((u for u in users if u.op != "output" and u not in matcher.left_to_graph), None)
     if user is not None:  # it must exist whole for a reader that is not the output
         why = matcher.outside.get(user)
         detail = str(why).removeprefix(describe(user)).strip(" ,:") if why else "is not row-wise"
@@ -166,3 +170,17 @@ def _rows_left(matcher: RegionMatcher, node: torch.fx.Node, users: list[torch.fx
                       "whole", node, user, detail, node=user,
                       eager_raises=getattr(why, "eager_raises", False))  # fmt: skip
     return None
+
+
+def _selection_read_whole(matcher: RegionMatcher, node: torch.fx.Node, users: list[torch.fx.Node]) -> None:
+    """Raise why rows of a selection of the logits (``node``) that ``users`` read outside the
+    region must exist whole: the reader's own reason if it has one (values of two selections
+    combined), else that it reads them as rows."""
+    user = next((u for u in users if u.op != "output"), users[0])
+    why = matcher.outside.get(user)
+    if why is not None:
+        detail = str(why).removeprefix(describe(user)).strip(" ,:")
+        raise NoMatch("{} (rows of a selection of the logits) is also consumed by {}, which {}; so "
+                      "those rows must exist whole", node, user, detail, node=user)  # fmt: skip
+    raise NoMatch("{} selects token rows that {} reads as [tokens, V] rows, so they must exist "
+                  "whole", node, user, node=user)  # fmt: skip
