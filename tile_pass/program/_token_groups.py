@@ -132,6 +132,11 @@ def token_groups(
 
 
 def _analyse(program, outputs, reduce_inputs) -> torch.Tensor:
+    return _interpreted(_traced(program, outputs, reduce_inputs), outputs, reduce_inputs).classes.roots()
+
+
+def _traced(program, outputs, reduce_inputs) -> torch.fx.GraphModule:
+    """The reduction traced to aten at these sizes (fake tensors: no data-dependent Python)."""
     reduction = program.reduction
     num_outputs = len(outputs)
     device_type = outputs[0].device.type
@@ -141,16 +146,23 @@ def _analyse(program, outputs, reduce_inputs) -> torch.Tensor:
         return _region.run_reduction(reduction, outs, inputs, device_type)
 
     try:
-        graph = on_tracing_thread(lambda: make_fx(loss, tracing_mode="fake")(*outputs, *reduce_inputs))
+        # functionalized: a write in place (``margin += ...``) is traced as the op it replays
+        pure = torch.func.functionalize(loss, remove="mutations")
+        return on_tracing_thread(lambda: make_fx(pure, tracing_mode="fake")(*outputs, *reduce_inputs))
     except Exception as why:  # data-dependent Python: no graph to read
         raise _Unknown(f"not traceable: {why}") from None
-    num_tokens = outputs[0].shape[0]
+
+
+def _interpreted(graph: torch.fx.GraphModule, outputs, reduce_inputs) -> _Interpreter:
+    """The traced reduction run on token ids: its classes joined, each value's ids kept."""
+    interpreter = _Interpreter(graph.graph, outputs[0].shape[0], outputs, reduce_inputs)
     try:
-        return _Interpreter(graph.graph, num_tokens, outputs, reduce_inputs).run()
+        interpreter.run()
     except _Unknown:
         raise
     except Exception as why:  # an op's ids could not be formed as its values are: no groups
         raise _Unknown(f"{type(why).__name__}: {why}") from None
+    return interpreter
 
 
 class _Interpreter:

@@ -94,9 +94,11 @@ def zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 @contextlib.contextmanager
 def shared() -> Iterator[None]:
-    """Run the tiles of one loop with one shared logits buffer per dtype, freed on exit."""
+    """Run the tiles of one loop with one shared logits buffer per dtype, freed on exit. A scope
+    inside another (the loops of one group each, :mod:`tile_pass.tiles._summary_tiles`) shares
+    the outer scope's buffers."""
     outer = getattr(_local, "buffers", None)
-    _local.buffers = {}
+    _local.buffers = {} if outer is None else outer
     try:
         yield
     finally:

@@ -41,10 +41,12 @@ from tile_pass.plan._tiling import TileSize, effective_tile
 from tile_pass.plan._weight_grad import WeightGradSchedule
 from tile_pass.program import _region
 from tile_pass.program._region import RowProgram
+from tile_pass.program._token_summaries import token_summaries
 from tile_pass.program._token_weights import token_weights
 from tile_pass.tiles import _tile_buffers
 from tile_pass.tiles._coupled_tiles import CoupledTiles, coupled_tiles, positions, running
 from tile_pass.tiles._higher_order import anchors, refuse_higher_order, scaled_by_upstream
+from tile_pass.tiles._summary_tiles import accumulation_pays, refusal, summary_tiles
 from tile_pass.tiles._tile_kernel import (
     TensorSpec,
     TileInputs,
@@ -630,7 +632,7 @@ def _nonlinear_loss_tiles(region, plan, hidden, weight, bias, token_inputs, row_
     )  # fmt: skip
     shapes = _zero_outputs(region, hidden)
     tiles = coupled_tiles(region, shapes, reduce_inputs, rows, tile_plan.tile, tile_plan.bytes_per_token)
-    how = "tiles of whole coupled groups" if tiles is not None else "two passes over the tiles"
+    how = "tiles of whole coupled groups" if tiles is not None else "groups no tile holds"
     log.debug("%s: a loss nonlinear in the outputs, %s", region.key, how)
     if tiles is not None:
         result = _run_tiles(*head, {}, need, coupled=(tiles, list(reduce_inputs)))
@@ -640,11 +642,37 @@ def _nonlinear_loss_tiles(region, plan, hidden, weight, bias, token_inputs, row_
         # NaN (zero times NaN), so every token runs
         tiles = coupled_tiles(region, shapes, reduce_inputs, None, tile_plan.tile, tile_plan.bytes_per_token)
         return _run_tiles(*head, {}, need, coupled=(tiles, list(reduce_inputs)))
+    result = _summed_groups(head, shapes, reduce_inputs, need, rows, tile_plan)
+    if result is not None:
+        return result
     outputs, *_ = _run_tiles(*head, {}, NO_GRADIENT, rows=rows)
     tangents = token_weights(region, outputs, reduce_inputs)
     rows = _skipped_rows(region, token_inputs, hidden, tangents, values=False)
     _, *grads = _run_tiles(*head, tangents, need, keep_outputs=False, rows=rows)
     return (outputs, *grads)
+
+
+def _summed_groups(head, shapes, reduce_inputs, need, rows, tile_plan):
+    """Groups longer than a tile in per-summary sums (:mod:`tile_pass.tiles._summary_tiles`),
+    three GEMMs per token, or ``None`` where the loss or the loop does not admit them."""
+    region, _, hidden, weight = head[:4]
+    summaries = token_summaries(region, shapes, reduce_inputs)
+    why = "the loss has no linear summary per group" if summaries is None else refusal(region, weight, need)
+    if why is None:
+        tokens = torch.arange(hidden.shape[0]) if rows is None else rows.cpu()
+        sizes = torch.bincount(summaries.groups[tokens], minlength=hidden.shape[0])[summaries.summed_groups]
+        if not accumulation_pays(
+            [s for s in sizes.tolist() if s], tile_plan.tile, weight, tile_plan.bytes_per_token
+        ):
+            why = "its per-group sums would move more bytes than a second pass over the tiles"
+    if why is not None:
+        log.debug("%s: groups longer than a tile, two passes over the tiles: %s", region.key, why)
+        return None
+    result = summary_tiles(_run_tiles, head, summaries, reduce_inputs, need, rows, shapes, NO_GRADIENT)
+    if rows is None or _finite_where_skipped(region, result[0], reduce_inputs, rows):
+        return result
+    # a token left out reaches the loss with a non-finite weight (eager's gradient is NaN there)
+    return summary_tiles(_run_tiles, head, summaries, reduce_inputs, need, None, shapes, NO_GRADIENT)
 
 
 def _finite_where_skipped(region, outputs, reduce_inputs, rows) -> bool:
