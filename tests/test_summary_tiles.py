@@ -245,3 +245,21 @@ def test_accumulation_pays_by_bytes():
     assert _summary_tiles.accumulation_pays([5000], 2048, weight, 12000)
     assert _summary_tiles.accumulation_pays([4096, 4096], 2048, weight, 12000)
     assert not _summary_tiles.accumulation_pays([300] * 8, 2048, weight, 12000)
+
+
+def test_the_groups_loops_share_one_logits_buffer():
+    """The loops run inside ``across_loops`` (one per group) take one logits buffer; a loop
+    nested in a loop still has its own."""
+    from tile_pass.tiles import _tile_buffers
+
+    def take():
+        return _tile_buffers._take((8, 10), torch.float32, torch.device("cpu")).data_ptr()
+
+    with _tile_buffers.across_loops():
+        with _tile_buffers.shared():
+            first = take()
+            with _tile_buffers.shared():
+                nested = take()
+        with _tile_buffers.shared():
+            second = take()
+    assert first == second and nested != first

@@ -84,7 +84,7 @@ def summary_tiles(
         for into, value in zip(outputs, result[0], strict=True):
             into.index_copy_(0, picked, value.index_select(0, picked))
 
-    with _tile_buffers.shared():  # one logits buffer for every group's tiles
+    with _tile_buffers.across_loops():  # one logits buffer for every group's tiles
         groups = torch.unique(of_token[summed]).tolist()
         # groups in the order of their first token
         groups.sort(key=lambda g: int(tokens[of_token == g][0]))
