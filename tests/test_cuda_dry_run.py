@@ -196,7 +196,7 @@ def _modules():
     import tile_pass
 
     names = ("tiles._tile_kernel", "tiles._tile_passes", "plan._tiling", "plan._weight_grad",
-             "tiles._split_sum_cpu", "tiles.tiled_region", "plan._plan")  # fmt: skip
+             "tiles._split_planes", "tiles._split_sum_cpu", "tiles.tiled_region", "plan._plan")  # fmt: skip
     return tile_pass, {name.split(".")[-1]: importlib.import_module(f"tile_pass.{name}") for name in names}
 
 
@@ -676,7 +676,7 @@ def _check_tile_kernel(dtype, schedule, variant, compiled):
         with _fake_mode():
             inputs = _fake_inputs(region_op._input_spec(key, program), V, torch.zeros)
             if schedule == "split":  # the planes of a fresh sum, as the tile loop makes them
-                inputs = inputs._replace(weight_grad_sum=m["_weight_grad"].unwritten_planes((V, H), CUDA))
+                inputs = inputs._replace(weight_grad_sum=m["_split_planes"].unwritten_planes((V, H), CUDA))
             result = list(kernel(*inputs.flat()))
             for out in program.outputs:
                 value = result.pop(0)
@@ -728,7 +728,7 @@ def _check_program_kernel(dtype, compiled):
         with _fake_mode():
             inputs = _fake_inputs(region_op._input_spec(key, program), program.vocab_size, torch.randn)
             if split:  # the planes of a fresh sum, as the tile loop makes them
-                planes = m["_weight_grad"].unwritten_planes((program.vocab_size, H), CUDA)
+                planes = m["_split_planes"].unwritten_planes((program.vocab_size, H), CUDA)
                 inputs = inputs._replace(weight_grad_sum=planes)
             result = list(kernel(*inputs.flat()))
         assert len(result) == len(program.outputs) + 1

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tile_pass.match import _region_match
 from tile_pass.match._fx import NoMatch, as_linear
-from tile_pass.match._region_match import ProgramValue, RegionValue
+from tile_pass.match._records import ProgramValue, RegionValue
 from tile_pass.match._rules import AfterTiles, RuleKind, Shape, TokenReduction
 from tile_pass.program._region import Layout
 

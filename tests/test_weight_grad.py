@@ -14,7 +14,7 @@ from tile_pass import _settings
 from tile_pass.plan import _weight_grad
 from tile_pass.plan._tiling import TileSize
 from tile_pass.plan._weight_grad import WeightGradSchedule
-from tile_pass.tiles import _split_sum_cpu
+from tile_pass.tiles import _split_planes, _split_sum_cpu
 from tile_pass.tiles._tile_passes import split_accumulation
 
 
@@ -41,7 +41,7 @@ def test_split_sum_is_the_float32_sum_bit_for_bit(device, dtype, monkeypatch):
     monkeypatch.setattr(_weight_grad, "_MIN_PRODUCT_BLOCK", 7 * 40 * 2)  # products of 7 rows too
     g = torch.Generator().manual_seed(0)
     shape = (23, 40)
-    hi, lo = _weight_grad.zeros(shape, device)
+    hi, lo = _split_planes.zeros(shape, device)
     reference = torch.zeros(shape, device=device)
     for step in range(6):
         x = (
@@ -52,16 +52,16 @@ def test_split_sum_is_the_float32_sum_bit_for_bit(device, dtype, monkeypatch):
         torch.ops.tile_pass.split_accumulate_(hi, lo, x)
         reference.add_(x)
         torch.testing.assert_close(
-            _weight_grad._as_float32(hi, lo), reference, rtol=0, atol=0, equal_nan=True
+            _split_planes._as_float32(hi, lo), reference, rtol=0, atol=0, equal_nan=True
         )
     a, b = (
         torch.randn(23, 9, generator=g).to(device, dtype),
         torch.randn(9, 40, generator=g).to(device, dtype),
     )
     assert _weight_grad.product_block_rows(23, 40 * a.element_size()) == 7  # 7 + 7 + 7 + 2 rows
-    _weight_grad.split_accumulate_mm_(hi, lo, a, b)
+    _split_planes.split_accumulate_mm_(hi, lo, a, b)
     reference.add_(torch.mm(a, b))
-    result = _weight_grad.finish(hi, lo, dtype)
+    result = _split_planes.finish(hi, lo, dtype)
     assert result.dtype == dtype and result.data_ptr() == hi.data_ptr()  # written over the high plane
     torch.testing.assert_close(result, reference.to(dtype), rtol=0, atol=0, equal_nan=True)
 
@@ -84,7 +84,7 @@ def test_compiled_split_add_is_the_float32_add_bit_for_bit(device, dtype, width,
         pytest.skip("the C loops are the CPU's")
     g = torch.Generator().manual_seed(1)
     shape = (23, width)
-    hi, lo = _weight_grad.zeros(shape, device)
+    hi, lo = _split_planes.zeros(shape, device)
     scratch = [torch.empty_like(hi), torch.empty_like(lo), torch.empty(shape, dtype=dtype, device=device)]
     add = split_accumulation._compiled_split_add(*scratch)  # tracing runs it on its example inputs
     assert (_split_sum_cpu.add(*scratch) is not None) == (compiled_kernels == "c_loop")
@@ -95,7 +95,7 @@ def test_compiled_split_add_is_the_float32_add_bit_for_bit(device, dtype, width,
         add(hi, lo, x)
         reference.add_(x)
         torch.testing.assert_close(
-            _weight_grad._as_float32(hi, lo), reference, rtol=0, atol=0, equal_nan=True
+            _split_planes._as_float32(hi, lo), reference, rtol=0, atol=0, equal_nan=True
         )
 
 
@@ -108,14 +108,14 @@ def test_compiled_rounding_of_the_planes_is_the_eager_rounding(device, dtype, co
         pytest.skip("the C loops are the CPU's")
     g = torch.Generator().manual_seed(2)
     shape = (23, 40)
-    hi, lo = _weight_grad.zeros(shape, device)
-    _weight_grad.split_add_(hi, lo, special_values(shape, g).to(device))
+    hi, lo = _split_planes.zeros(shape, device)
+    _split_planes.split_add_(hi, lo, special_values(shape, g).to(device))
     bits = torch.randint(-(2**31), 2**31 - 1, (4, 40), generator=g, dtype=torch.int64).to(torch.int32)
     ties = torch.tensor([0x3F808000, 0x3F818000, 0x477FF000, 0x477FE000], dtype=torch.int32)  # bf16/fp16 ties
     bits[0, :4] = ties
     hi[:4], lo[:4] = (bits >> 16).to(torch.int16).to(device), bits.to(torch.int16).to(device)
     hi_c, lo_c = hi.clone(), lo.clone()
-    expected = _weight_grad.finish(hi, lo, dtype)
+    expected = _split_planes.finish(hi, lo, dtype)
     got = split_accumulation.finish_split(hi_c, lo_c, dtype, compiled=True)
     assert got.data_ptr() == hi_c.data_ptr() and got.dtype == dtype
     torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
@@ -257,7 +257,7 @@ def test_unwritten_planes_first_add_is_the_add_into_zeros(dtype, first):
         assert store is not None
     else:
         store = None
-    hi, lo = _weight_grad.unwritten_planes(shape, "cpu")
+    hi, lo = _split_planes.unwritten_planes(shape, "cpu")
     hi.fill_(12345), lo.fill_(-7)  # whatever the memory held
     reference = torch.zeros(shape)
     for step in range(3):
@@ -268,28 +268,28 @@ def test_unwritten_planes_first_add_is_the_add_into_zeros(dtype, first):
             else torch.randn(5, shape[1], generator=g).to(dtype)
         )
         product = torch.mm(a, b)
-        _weight_grad.split_accumulate_mm_(hi, lo, a, b, store=store)
+        _split_planes.split_accumulate_mm_(hi, lo, a, b, store=store)
         reference.add_(product)
         torch.testing.assert_close(
-            _weight_grad._as_float32(hi, lo), reference, rtol=0, atol=0, equal_nan=True
+            _split_planes._as_float32(hi, lo), reference, rtol=0, atol=0, equal_nan=True
         )
         finite = reference.isfinite()
         assert torch.equal(
-            _weight_grad._as_float32(hi, lo)[finite].view(torch.int32), reference[finite].view(torch.int32)
+            _split_planes._as_float32(hi, lo)[finite].view(torch.int32), reference[finite].view(torch.int32)
         )
     if store is not None:  # the store itself, on special values: 0 + x (a negative zero becomes +0)
         x = special_values(shape, g).to(dtype)
         x[1, :3] = torch.tensor([-0.0, 0.0, -0.0])
-        zeros = _weight_grad.zeros(shape, "cpu")
-        _weight_grad.split_add_(*zeros, x)
+        zeros = _split_planes.zeros(shape, "cpu")
+        _split_planes.split_add_(*zeros, x)
         stored = [torch.full(shape, -1, dtype=torch.int16), torch.full(shape, -1, dtype=torch.int16)]
         store(*stored, x)
         assert torch.equal(stored[0], zeros[0]) and torch.equal(stored[1], zeros[1])
-    _weight_grad.settle(hi, lo)  # written: left as they are
-    torch.testing.assert_close(_weight_grad._as_float32(hi, lo), reference, rtol=0, atol=0, equal_nan=True)
-    untouched = _weight_grad.unwritten_planes(shape, "cpu")
+    _split_planes.settle(hi, lo)  # written: left as they are
+    torch.testing.assert_close(_split_planes._as_float32(hi, lo), reference, rtol=0, atol=0, equal_nan=True)
+    untouched = _split_planes.unwritten_planes(shape, "cpu")
     untouched[0].fill_(3)
-    assert not _weight_grad.settle(*untouched)[0].any() and not untouched[1].any()
+    assert not _split_planes.settle(*untouched)[0].any() and not untouched[1].any()
 
 
 @pytest.mark.parametrize("rounded", [torch.bfloat16, torch.float16])
@@ -303,8 +303,8 @@ def test_last_add_rounds_as_add_then_finish(dtype, rounded):
     assert add_and_round is not None
     g = torch.Generator().manual_seed(5)
     shape = (23, 40)
-    hi, lo = _weight_grad.zeros(shape, "cpu")
-    _weight_grad.split_add_(hi, lo, special_values(shape, g))
+    hi, lo = _split_planes.zeros(shape, "cpu")
+    _split_planes.split_add_(hi, lo, special_values(shape, g))
     bits = torch.randint(-(2**31), 2**31 - 1, (4, 40), generator=g, dtype=torch.int64).to(torch.int32)
     bits[0, :4] = torch.tensor([0x3F808000, 0x3F818000, 0x477FF000, 0x477FE000], dtype=torch.int32)
     hi[4:8], lo[4:8] = (bits >> 16).to(torch.int16), bits.to(torch.int16)
@@ -316,42 +316,42 @@ def test_last_add_rounds_as_add_then_finish(dtype, rounded):
         return [p.clone() for p in (hi, lo)]
 
     eager = planes()
-    _weight_grad.split_accumulate_mm_(*eager, a, b)
-    eager = _weight_grad.finish(*eager, rounded)
+    _split_planes.split_accumulate_mm_(*eager, a, b)
+    eager = _split_planes.finish(*eager, rounded)
     outside = planes()
-    _weight_grad.split_accumulate_mm_(*outside, a, b, add_and_round=add_and_round)
-    assert not _weight_grad.rounded_by_last_add(outside[0])  # outside last_add: a plain add
+    _split_planes.split_accumulate_mm_(*outside, a, b, add_and_round=add_and_round)
+    assert not _split_planes.rounded_by_last_add(outside[0])  # outside last_add: a plain add
     expected = split_accumulation.finish_split(*outside, rounded, compiled=True)  # the C finish pass
 
-    with _weight_grad.last_add(hi):
-        _weight_grad.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
+    with _split_planes.last_add(hi):
+        _split_planes.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
     with pytest.raises(RuntimeError, match="after its last add rounded it"):
-        _weight_grad.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
+        _split_planes.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
     got = split_accumulation.finish_split(hi, lo, rounded, compiled=True)
     assert got.data_ptr() == hi.data_ptr() and got.dtype == rounded
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
     torch.testing.assert_close(got, eager, rtol=0, atol=0, equal_nan=True)  # NaN stays NaN
-    assert not _weight_grad.rounded_by_last_add(hi)  # taken by the finish
+    assert not _split_planes.rounded_by_last_add(hi)  # taken by the finish
 
 
 def test_rounding_marks_do_not_outlive_their_loop(monkeypatch):
     """A ``last_add`` whose tile never added leaves nothing behind, and planes made where a
     loop that raised left its rounded mark start unrounded."""
     shape = (8, 16)
-    hi, lo = _weight_grad.unwritten_planes(shape, "cpu")
-    with _weight_grad.last_add(hi):
+    hi, lo = _split_planes.unwritten_planes(shape, "cpu")
+    with _split_planes.last_add(hi):
         pass
     a, b = torch.randn(8, 2).to(torch.bfloat16), torch.randn(2, 16).to(torch.bfloat16)
     add_and_round = _split_sum_cpu.add_and_round(
         hi, lo, torch.empty(shape, dtype=torch.bfloat16), torch.bfloat16
     )
-    _weight_grad.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
-    assert not _weight_grad.rounded_by_last_add(hi)
-    with _weight_grad.last_add(hi):
-        _weight_grad.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
+    _split_planes.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
+    assert not _split_planes.rounded_by_last_add(hi)
+    with _split_planes.last_add(hi):
+        _split_planes.split_accumulate_mm_(hi, lo, a, b, add_and_round=add_and_round)
     # the loop raises here, before its finish; the next loop's planes take the same memory
     memory = iter([hi, lo])
-    monkeypatch.setattr(_weight_grad._tile_buffers, "empty", lambda *args: next(memory))
-    again, _ = _weight_grad.unwritten_planes(shape, "cpu")
+    monkeypatch.setattr(_split_planes._tile_buffers, "empty", lambda *args: next(memory))
+    again, _ = _split_planes.unwritten_planes(shape, "cpu")
     assert again.data_ptr() == hi.data_ptr()
-    assert not _weight_grad.rounded_by_last_add(again)
+    assert not _split_planes.rounded_by_last_add(again)

@@ -29,6 +29,7 @@ from tile_pass.match._fold_loops import fold_row_loops
 from tile_pass.match._functionalize import functionalize_writes
 from tile_pass.match._fx import NoMatch, as_linear, describe, projection_of, same, val
 from tile_pass.match._op_facts import RuleKind, facts_for, spelling
+from tile_pass.match._records import describe_output
 from tile_pass.match._rules import LOSS_SIGNATURES, bind
 from tile_pass.plan import _weight_grad
 from tile_pass.plan._plan import RegionCall, plan_tiles
@@ -353,7 +354,7 @@ def _rewritten(
     returned = [val(o.node) for o in region.outputs if o.shape.layout is Layout.ROWS]
     returned += [val(node) for node in region.kept_whole]
     kept = sum(value.numel() * value.element_size() for value in returned)
-    outputs = ", ".join(f"{_region_match.describe_output(o)}" for o in region.outputs)
+    outputs = ", ".join(f"{describe_output(o)}" for o in region.outputs)
     shard = region.program.shard  # a vocabulary-sharded head: bytes are this rank's
     parallel = ""
     if shard is not None:

@@ -55,8 +55,8 @@ class RuleKind(enum.Enum):
 
 
 class Linear(enum.Enum):
-    """In which operands an op is linear, for the scalar loss joined to the region (phase 4 of
-    ``tile_pass.match._region_match``): its gradient must not depend on the values it reads."""
+    """In which operands an op is linear, for the scalar loss joined to the region
+    (``tile_pass.match._scalar_loss``): its gradient must not depend on the values it reads."""
 
     NONE = "none"
     FIRST = "first"  # in its first operand, when no other operand is linear
@@ -75,7 +75,7 @@ class Fold(enum.Enum):
 
 
 class Selects(enum.Enum):
-    """How an op selects token rows of the logits (``_region_match.RegionMatcher.row_selection``)."""
+    """How an op selects token rows of the logits (``_selections.row_selection``)."""
 
     PIECES = "pieces"  # ``chunk``/``split``/``tensor_split``: a tuple of pieces
     ONE_PIECE = "one_piece"  # ``narrow``
@@ -98,7 +98,7 @@ class OpFacts:
 
     key: str
     kind: RuleKind | None
-    #: the row-wise rule: (the ``_region_match.RegionMatcher``, the node) -> its steps, or ``NoMatch``
+    #: the row-wise rule: (the ``_matcher.RegionMatcher``, the node) -> its steps, or ``NoMatch``
     classify: Callable | None
     #: ``rule(step, of, token)``: where the step's value is zero whatever the logits
     #: (``tile_pass.program._region.zero_where``); ``None``: nowhere known

@@ -107,7 +107,7 @@ class Classified:
 #: an operand of a rule's second step: the value of its first (the walk numbers it)
 PREVIOUS_STEP = Ref(RefKind.VALUE, -1)
 
-#: a rule: (the ``_region_match.RegionMatcher``, the node) -> its steps, or ``NoMatch``
+#: a rule: (the ``_matcher.RegionMatcher``, the node) -> its steps, or ``NoMatch``
 ClassifyFn = Callable[[Any, torch.fx.Node], list[Classified]]
 
 

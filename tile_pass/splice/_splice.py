@@ -1,7 +1,7 @@
 """Splice a matched region into the graph: one call of the tiled op in place of its nodes.
 
 The matcher (:mod:`tile_pass.match._region_match`) only proves a region row-wise and records it as a
-:class:`~tile_pass.match._region_match.RowRegion`; this module changes the graph, in named steps:
+:class:`~tile_pass.match._records.RowRegion`; this module changes the graph, in named steps:
 hoist the op's inputs above its first reader, slice and cast the tiles' rows, call the op, restore
 each output to the shape the user's graph gave it, hand returned logits to the caller, erase the
 region. Nothing is changed before every step that can refuse has run.
@@ -18,7 +18,7 @@ import torch.fx
 from tile_pass.match import _rules
 from tile_pass.match._fx import NoMatch, describe, projection_of, val
 from tile_pass.match._op_facts import spelling
-from tile_pass.match._region_match import RowRegion
+from tile_pass.match._records import RowRegion
 from tile_pass.plan._plan import RegionCall
 from tile_pass.program import _region
 from tile_pass.program._region import Layout, RowProgram

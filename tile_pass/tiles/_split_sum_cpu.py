@@ -1,9 +1,9 @@
 """The split sum's passes over its planes on the CPU, as C loops built by Inductor's C++ toolchain.
 
 Every tile of a half-precision head reads and writes both 16-bit planes of the float32
-weight-gradient sum once (:mod:`tile_pass.plan._weight_grad`), so that pass is the part of the
+weight-gradient sum once (:mod:`tile_pass.tiles._split_planes`), so that pass is the part of the
 step that grows with the number of tiles. Written as tensor code and compiled by Inductor
-(:func:`tile_pass.plan._weight_grad.add_words_`), it runs at about a third of the memory
+(:func:`tile_pass.tiles._split_planes.add_words_`), it runs at about a third of the memory
 bandwidth: Inductor's C++ backend has no vectorized 16-bit integer lanes, and spells each
 int32/float32 reinterpretation of the word-paired form as a store and reload through a stack
 array. The same loop written once in C, on the 16-bit planes directly, is vectorized by the
@@ -15,7 +15,7 @@ checks them bit for bit, special values included):
 
 * ``add``: the float32 value the planes hold (``hi << 16 | lo``), plus the contribution
   widened to float32, split again. One IEEE float32 add per element, as
-  :func:`tile_pass.plan._weight_grad.split_add_`.
+  :func:`tile_pass.tiles._split_planes.split_add_`.
 * ``store``: the first tile's contribution into planes nobody zeroed (``0 + x``), which saves
   the zeroing pass over both planes.
 * ``finish``: the sum rounded once into the returned dtype, over ``hi``.

@@ -35,7 +35,7 @@ import torch
 
 from tile_pass import _distributed
 from tile_pass._logging import log
-from tile_pass.plan import _plan, _weight_grad
+from tile_pass.plan import _plan
 from tile_pass.plan._plan import RegionCall, plan_tiles
 from tile_pass.plan._tiling import TileSize, effective_tile
 from tile_pass.plan._weight_grad import WeightGradSchedule
@@ -43,7 +43,7 @@ from tile_pass.program import _region
 from tile_pass.program._region import RowProgram
 from tile_pass.program._token_summaries import token_summaries
 from tile_pass.program._token_weights import token_weights
-from tile_pass.tiles import _tile_buffers
+from tile_pass.tiles import _split_planes, _tile_buffers
 from tile_pass.tiles._coupled_tiles import CoupledTiles, coupled_tiles, positions, running
 from tile_pass.tiles._higher_order import anchors, refuse_higher_order, scaled_by_upstream
 from tile_pass.tiles._summary_tiles import accumulation_pays, refusal, summary_tiles
@@ -309,7 +309,7 @@ class _Results:
         weight_grad_sum, grad_weight = (), None
         schedule = key.weight_grad if need.weight else None
         if schedule is WeightGradSchedule.SPLIT:  # the float32 sum in two 16-bit planes: 4 bytes per weight
-            weight_grad_sum = _weight_grad.unwritten_planes(weight.shape, weight.device)
+            weight_grad_sum = _split_planes.unwritten_planes(weight.shape, weight.device)
         elif schedule is WeightGradSchedule.DIRECT:  # the only tile forms it (none when no token runs)
             if not num_tokens:
                 grad_weight = _tile_buffers.zeros(weight.shape, weight.dtype, weight.device)
@@ -355,7 +355,7 @@ class _Results:
         """(outputs, grad hidden, grad weight, grad bias, row input grads, token input grads)."""
         grad_weight = self.grad_weight
         if need.weight and len(self.weight_grad_sum) == 2:  # rounded once into the weight dtype
-            planes = _weight_grad.settle(*self.weight_grad_sum)
+            planes = _split_planes.settle(*self.weight_grad_sum)
             grad_weight = finish_split(*planes, weight.dtype, call.compile_tiles)
         elif self.weight_grad_sum:
             grad_weight = self.weight_grad_sum[0]
@@ -457,7 +457,7 @@ def _run_tiles(
                 coupled=() if coupled is None else (positions(picked, size),),
             )
             last = split and start + count == num_tokens  # the last add of a split sum rounds it
-            with _weight_grad.last_add(out.weight_grad_sum[0]) if last else contextlib.nullcontext():
+            with _split_planes.last_add(out.weight_grad_sum[0]) if last else contextlib.nullcontext():
                 result = list(kernel(*inputs.flat()))
             if direct:
                 out.grad_weight = result.pop()

@@ -1,4 +1,4 @@
-"""The split weight-gradient sum's add, formed block by block (see :mod:`tile_pass.plan._weight_grad`).
+"""The split weight-gradient sum's add, formed block by block (see :mod:`tile_pass.tiles._split_planes`).
 
 Also the compiled passes over the planes the tile loop runs outside the graph: the add of a
 block (:func:`_compiled_split_add`) and the final rounding (:func:`finish_split`).
@@ -10,7 +10,7 @@ import torch
 import torch.fx
 
 from tile_pass.plan import _weight_grad
-from tile_pass.tiles import _split_sum_cpu
+from tile_pass.tiles import _split_planes, _split_sum_cpu
 from tile_pass.tiles._tile_kernel import TileKernelKey, inductor_once
 from tile_pass.tiles._tile_passes._graph import (
     aten,
@@ -25,7 +25,7 @@ from tile_pass.tiles._tile_passes._graph import (
 
 class _BlockedSplitAccumulate(torch.nn.Module):
     """``sum += a @ b`` on the planes of a split float32 sum, the product one block of rows at
-    a time (see :func:`tile_pass.plan._weight_grad.split_accumulate_mm_`)."""
+    a time (see :func:`tile_pass.plan._split_planes.split_accumulate_mm_`)."""
 
     _is_impure = True  # it mutates the planes and returns nothing: never dead code
 
@@ -34,40 +34,40 @@ class _BlockedSplitAccumulate(torch.nn.Module):
         self.add, self.store, self.add_and_round = add, store, add_and_round
 
     def forward(self, hi, lo, a, b):
-        _weight_grad.split_accumulate_mm_(hi, lo, a, b, self.add, self.store, self.add_and_round)
+        _split_planes.split_accumulate_mm_(hi, lo, a, b, self.add, self.store, self.add_and_round)
 
 
 def _compiled_split_add(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor):
-    """:func:`tile_pass.plan._weight_grad.split_add_` as one vectorized pass over a block (read both
+    """:func:`tile_pass.plan._split_planes.split_add_` as one vectorized pass over a block (read both
     planes and the product, write both planes): on the CPU the C loop of
     :mod:`tile_pass.tiles._split_sum_cpu`; otherwise compiled by Inductor, once per layout, on the
     planes' int32 words where the rows pair up."""
     c_loop = _split_sum_cpu.add(hi, lo, x)
     if c_loop is not None:
         return c_loop
-    words = _weight_grad.as_words(hi, lo, x)
+    words = _split_planes.as_words(hi, lo, x)
     if words is None:
-        return inductor_once("split", _weight_grad.split_add_, (hi, lo, x))
-    compiled = inductor_once("split", _weight_grad.add_words_, words)
-    return lambda hi, lo, x: compiled(*_weight_grad.as_words(hi, lo, x))
+        return inductor_once("split", _split_planes.split_add_, (hi, lo, x))
+    compiled = inductor_once("split", _split_planes.add_words_, words)
+    return lambda hi, lo, x: compiled(*_split_planes.as_words(hi, lo, x))
 
 
 def finish_split(hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype, compiled: bool) -> torch.Tensor:
-    """:func:`tile_pass.plan._weight_grad.finish`; with ``compiled``, one vectorized pass with no
+    """:func:`tile_pass.plan._split_planes.finish`; with ``compiled``, one vectorized pass with no
     temporaries: on the CPU the C loop of :mod:`tile_pass.tiles._split_sum_cpu`, otherwise (bfloat16
     planes whose rows pair up) an Inductor kernel over the int32 words, compiled once per
     shape. Each rounds as the eager conversion does. Planes the last tile's add already rounded
-    (:func:`tile_pass.plan._weight_grad.last_add`) are returned as they are."""
-    if _weight_grad.rounded_by_last_add(hi):
+    (:func:`tile_pass.plan._split_planes.last_add`) are returned as they are."""
+    if _split_planes.rounded_by_last_add(hi):
         return hi.view(dtype)
     if compiled:
         rounded = _split_sum_cpu.finish(hi, lo, dtype)
         if rounded is not None:
             return rounded
-    words = _weight_grad.as_words(hi, lo, lo) if compiled and dtype == torch.bfloat16 else None
+    words = _split_planes.as_words(hi, lo, lo) if compiled and dtype == torch.bfloat16 else None
     if words is None:
-        return _weight_grad.finish(hi, lo, dtype)
-    inductor_once("finish", _weight_grad.round_words_, words[:2])(*words[:2])
+        return _split_planes.finish(hi, lo, dtype)
+    inductor_once("finish", _split_planes.round_words_, words[:2])(*words[:2])
     return hi.view(dtype)
 
 
