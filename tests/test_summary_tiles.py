@@ -263,3 +263,37 @@ def test_the_groups_loops_share_one_logits_buffer():
         with _tile_buffers.shared():
             second = take()
     assert first == second and nested != first
+
+
+def dpo_last_token_unread(x, w, b, y, ref_chosen, ref_rejected, beta=0.1):
+    """DPO over each sequence but its last token, the per-token log-probabilities returned."""
+    logits, half, _ = L._concatenated(x, w, b, y)
+    mask = y != L.IGNORE
+    per_token = torch.gather(logits.log_softmax(-1), 2, torch.where(mask, y, 0).unsqueeze(2)).squeeze(2)
+    logps = (per_token * mask)[:, :-1].sum(-1)
+    margin = beta * ((logps[:half] - ref_chosen) - (logps[half:] - ref_rejected))
+    return -F.logsigmoid(margin).mean(), per_token.detach()
+
+
+def test_tokens_no_summary_reads_run_for_their_outputs(monkeypatch):
+    """The last token of each sequence reaches no summary: those tokens run once more, for their
+    returned outputs only (no gradient), after the pairs' groups."""
+    loops = _summary_loops(monkeypatch)
+    params, y, ref, _ = _data("cpu", empty=False)
+    torch._dynamo.reset()
+    fn = torch.compile(
+        dpo_last_token_unread, backend=tile_pass.backend("aot_eager", tile_tokens=2, strict=True)
+    )
+
+    def step(f):
+        leaves = [p.detach().requires_grad_() for p in params]
+        loss, per_token = f(*leaves, y, *ref)
+        return loss.detach(), per_token, torch.autograd.grad(loss, leaves)
+
+    loss, per_token, grads = step(fn)
+    assert loops == [[8, 8, 8, -B2]]
+    oracle = step(lambda *a: dpo_last_token_unread(*[t.double() if t.is_floating_point() else t for t in a]))
+    assert_close_to_oracle(loss, oracle[0], torch.float32, "loss")
+    assert_close_to_oracle(per_token, oracle[1], torch.float32, "per-token log-probabilities")
+    for grad, want in zip(grads, oracle[2], strict=True):
+        assert_close_to_oracle(grad, want, torch.float32, "gradient")
