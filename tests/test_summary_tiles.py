@@ -297,3 +297,32 @@ def test_tokens_no_summary_reads_run_for_their_outputs(monkeypatch):
     assert_close_to_oracle(per_token, oracle[1], torch.float32, "per-token log-probabilities")
     for grad, want in zip(grads, oracle[2], strict=True):
         assert_close_to_oracle(grad, want, torch.float32, "gradient")
+
+
+@pytest.mark.slow
+def test_inductor_and_bf16(monkeypatch):
+    """Under Inductor (the tiles' middle compiled): float32 in per-summary sums, exact;
+    bfloat16 weights refused (their group sums would be rounded before their scale), two passes,
+    no worse than eager."""
+    from conftest import assert_no_worse_than_eager
+
+    loops = _summary_loops(monkeypatch)
+    fn, backend = _compiled("dpo_with_rewards", 3, "inductor")
+    for dtype in (torch.float32, torch.bfloat16):
+        params, y, ref, _ = _data("cpu", dtype)
+        loss, grads = _step(fn, params, (y, *ref))
+        oracle_loss, oracle_grads = _step(
+            FORMS["dpo_with_rewards"], [p.double() for p in params], (y, *[r.double() for r in ref])
+        )
+        if dtype == torch.float32:
+            assert len(loops) == 1
+            assert_close_to_oracle(loss, oracle_loss, dtype, "loss")
+            for grad, oracle in zip(grads, oracle_grads, strict=True):
+                assert_close_to_oracle(grad, oracle, dtype, "gradient")
+        else:
+            assert len(loops) == 1  # no second loop of groups: two passes
+            eager_loss, eager_grads = _step(FORMS["dpo_with_rewards"], params, (y, *ref))
+            assert_no_worse_than_eager(loss, eager_loss, oracle_loss, "bf16 loss")
+            for grad, eager, oracle in zip(grads, eager_grads, oracle_grads, strict=True):
+                assert_no_worse_than_eager(grad, eager, oracle, "bf16 gradient")
+    assert not backend.report().skipped
