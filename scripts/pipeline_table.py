@@ -22,8 +22,16 @@ START, END = "<!-- pipeline table: scripts/pipeline_table.py --write -->", "<!--
 TOP_LEVEL: list[tuple[str, tuple[str, ...]]] = [
     (
         "entry points",
-        ("dynamo_backend", "_compile", "_logging_calls", "decorator", "functional", "_textbook", "_options",
-         "__main__"),
+        (
+            "dynamo_backend",
+            "_compile",
+            "_logging_calls",
+            "decorator",
+            "functional",
+            "_textbook",
+            "_options",
+            "__main__",
+        ),
     ),
     ("driver", ("rewrite",)),
     ("match", ()),
@@ -32,12 +40,12 @@ TOP_LEVEL: list[tuple[str, tuple[str, ...]]] = [
     ("splice", ()),
     ("tiles", ()),
     ("distributed", ("_distributed",)),
-    ("report and validation", ("report", "validation")),
+    ("report and validation", ("report", "_rewrite_record", "validation")),
     ("inspection", ()),
     ("stacks", ("integrations",)),
     (
-        "settings, logging, measuring",
-        ("_settings", "_logging", "_measure", "bench", "_bench_forms", "_bench_host"),
+        "settings, caches, logging, measuring",
+        ("_settings", "_caches", "_logging", "_measure", "bench", "_bench_forms", "_bench_host"),
     ),
 ]
 

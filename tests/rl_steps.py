@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import importlib.abc
 import importlib.util
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from collections.abc import Callable
 import torch
 
 B, T, H, V = 2, 16, 32, 640  # two sequences of 16 tokens, a 640-token vocabulary
+if _size := os.environ.get("TILE_PASS_RL_STEP_SIZE"):  # "T,H,V": scripts/rl_memory.py's larger batch
+    T, H, V = (int(n) for n in _size.split(","))
 PROMPT = 6  # the prompt's length; the response is the last T - PROMPT tokens
 R = T - PROMPT
 TEMPERATURE = 0.7
@@ -530,7 +533,24 @@ def _full(response_values):
     return torch.cat([response_values.new_zeros(B, PROMPT), response_values], dim=1)
 
 
-def nemo_rl_clipped_pg(h, w, d, *, temperature=TEMPERATURE, metrics=True):
+class _TopKFilter(torch.autograd.Function):
+    """A top-k filter of the logits as a custom autograd.Function (NeMo-RL filters the training
+    logits as its sampler did, so that the log-probabilities match the rollout's): the kept
+    logits pass, the others become -inf; the backward passes the kept positions' gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, top_k):
+        keep = logits >= torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        ctx.save_for_backward(keep)
+        return logits.masked_fill(~keep, float("-inf"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (keep,) = ctx.saved_tensors
+        return grad.masked_fill(~keep, 0.0), None
+
+
+def nemo_rl_clipped_pg(h, w, d, *, temperature=TEMPERATURE, metrics=True, top_k=None):
     """NeMo-RL's DTensor policy worker and ``ClippedPGLossFn``, written in its style from its
     source (``nemo-rl`` on the registry is an empty 0.0.0 placeholder). The worker: the logits
     in float32, divided by the generation temperature in place. The loss: its mismatch metric
@@ -540,6 +560,8 @@ def nemo_rl_clipped_pg(h, w, d, *, temperature=TEMPERATURE, metrics=True):
     logits = (h @ w.t()).to(torch.float32)
     if temperature != 1.0:
         logits.div_(temperature)
+    if top_k is not None:  # the sampler's filter, applied to the training logits
+        logits = _TopKFilter.apply(logits, top_k)
     token_mask = _full(d["response_mask"].to(h.dtype))[:, 1:]
     sample_mask = torch.ones(B, dtype=h.dtype, device=h.device)
     mask = token_mask * sample_mask.unsqueeze(-1)
@@ -572,6 +594,8 @@ def nemo_rl_steps() -> list[Step]:
              written_from=written),
         Step("nemo-rl", "clipped-pg-t1", functools.partial(nemo_rl_clipped_pg, temperature=1.0),
              written_from=written),
+        Step("nemo-rl", "clipped-pg-top-k",
+             functools.partial(nemo_rl_clipped_pg, metrics=False, top_k=V // 2), written_from=written),
     ]  # fmt: skip
 
 

@@ -295,8 +295,11 @@ def test_host_overhead_rows_time_both_backends_per_tile_count(capsys):
         rows = _bench_host.measure(tiles=(1, 2), steps=3, warmup=1)
     assert [r["tiles"] for r in rows] == [1, 2]
     for row in rows:
-        assert row["aot_eager_ms"] > 0 and row["tile_pass_ms"] > 0
-        assert row["added_ms"] == pytest.approx(row["tile_pass_ms"] - row["aot_eager_ms"])
+        for suffix in ("_ms", "_forward_ms"):  # a step, and its forward alone
+            assert row["aot_eager" + suffix] > 0 and row["tile_pass" + suffix] > 0
+            assert row["added" + suffix] == pytest.approx(
+                row["tile_pass" + suffix] - row["aot_eager" + suffix]
+            )
     assert {(p.rows, p.num_tiles) for p in plans} == {(64, 1), (64, 2)}  # the tiles asked for ran
     text = _bench_host.format_rows(rows)
     assert "per additional tile:" in text and text.count("\n") == 4

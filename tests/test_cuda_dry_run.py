@@ -591,7 +591,7 @@ def _linear_ce_bias_returning_logits(h, w, b, y):
     return F.cross_entropy(logits.float().view(-1, w.shape[0]), y.view(-1), reduction="sum"), logits
 
 
-_PROGRAMS: dict[tuple, str] = {}
+_PROGRAMS: dict[tuple, object] = {}  # the programs, held
 
 
 def _captured_program(fn, inputs) -> str:
@@ -601,8 +601,11 @@ def _captured_program(fn, inputs) -> str:
         with mock.patch.object(_modules()[1]["_tiling"], "_free_gpu_memory", lambda device_index: 6 << 30):
             gm = _capture(fn, inputs)[4]
         (call,) = [n for n in gm.graph.nodes if getattr(n.target, "__name__", "") == "run_region"]
-        _PROGRAMS[key] = _call(call).program
-    return _PROGRAMS[key]
+        from tile_pass.program import _region
+
+        # held here, as a compiled graph holds it: the registry finds it after a clear_caches
+        _PROGRAMS[key] = _region.lookup(_call(call).program)
+    return _PROGRAMS[key].key
 
 
 def _fake_inputs(spec, vocab_size, make):
@@ -654,7 +657,8 @@ def _check_tile_kernel(dtype, schedule, variant, compiled):
         kernel = region_op._program_kernel(key)
         graphs = [g for g in kernel.modules() if isinstance(g, torch.fx.GraphModule)]
         targets = {n.target for g in graphs for n in g.graph.nodes}
-        cpu_only = {_tile_buffers.mm, _tile_buffers.addmm, _tile_buffers.fresh_mm, onednn_gemms._onednn_mm}
+        cpu_only = {_tile_buffers.mm, _tile_buffers.addmm, _tile_buffers.fresh_mm, onednn_gemms._onednn_mm,
+                    onednn_gemms._onednn_mm_transposed}  # fmt: skip
         assert not targets & cpu_only, targets & cpu_only
         modules = list(kernel.modules())
         assert not any(isinstance(g, compiled_middle._RowBlocked) for g in modules)

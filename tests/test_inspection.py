@@ -417,8 +417,8 @@ def test_report_says_which_tokens_the_tiles_skip_or_why_none(fn, expected):
 def test_the_report_gives_the_plan_the_tiles_ran(tokens, dtype, autocast, tile_tokens):
     """``explain`` plans from the sizes and the loop from the batch, with one planner: for a
     batch whose every token counts they must agree on the tile, the tiles and the sum."""
+    from tile_pass._rewrite_record import _weight_grad_sum
     from tile_pass.plan import _plan
-    from tile_pass.rewrite import _weight_grad_sum
 
     g = torch.Generator().manual_seed(0)
     h = torch.randn(tokens, 32, generator=g).to(dtype).requires_grad_()

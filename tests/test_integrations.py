@@ -424,3 +424,25 @@ def test_grpo_style_per_token_log_probs(variant):
     else:  # TRL's logsumexp loop + gather after the token slice: one row-wise region
         assert len(rep.rewrites) == 1 and not rep.skipped, str(rep)
         assert "slice tokens" in rep.rewrites[0].form and ".logsumexp()" in rep.rewrites[0].form, str(rep)
+
+
+def test_every_integration_takes_its_options_one_way():
+    """``inner`` (a name, a backend callable or a ready Backend) and ``tile_pass.backend``'s
+    keywords, resolved by one helper: an unknown keyword, or options beside a ready Backend, raise."""
+    import inspect
+
+    from tile_pass.integrations import deepspeed, torchtune, trl
+    from tile_pass.integrations._head import backend_from
+
+    backend = backend_from(None, {"tile_tokens": 8}, default="aot_eager")
+    assert backend.inner == "aot_eager" and backend.tiling.tile_tokens == 8
+    assert backend_from(backend, {}) is backend
+    with pytest.raises(ValueError, match="not both"):
+        backend_from(backend, {"tile_tokens": 8})
+    with pytest.raises(TypeError, match="tile_tokenz"):
+        backend_from("aot_eager", {"tile_tokenz": 8})
+    entries = [compile_for_training, trl.hand_head_to_tile_pass, torchtune.hand_head_to_tile_pass,
+               torchtune.TiledCrossEntropyLoss, deepspeed.compile_engine]  # fmt: skip
+    for entry in entries:
+        parameters = inspect.signature(entry).parameters
+        assert "inner" in parameters and parameters["backend_options"].kind is inspect.Parameter.VAR_KEYWORD

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tile_pass.match import _region_match
 from tile_pass.match._fx import NoMatch, as_linear
-from tile_pass.match._records import ProgramValue, RegionValue
+from tile_pass.match._records import ProgramValue, RegionValue, SliceMode
 from tile_pass.match._rules import AfterTiles, RuleKind, Shape, TokenReduction
 from tile_pass.program._region import Layout
 
@@ -45,7 +45,9 @@ def test_one_record_per_node_holds_every_fact():
     graph = _dynamo_graph(ce_and_kl, h, w, torch.randint(0, 50, (2, 8)))
     projection = next(n for n in graph.nodes if _head(n))
     states = _region_match._autocast_states(graph)
-    matcher = _region_match._walked(graph, projection, as_linear(projection), states, False, select_rows=True)
+    matcher = _region_match._walked(
+        graph, projection, as_linear(projection), states, False, SliceMode.SELECTED
+    )
     ce = next(r for node, r in matcher.values.items() if node.target is F.cross_entropy)
     kl = next(r for node, r in matcher.values.items() if node.target is F.kl_div)
     assert ce.after_tiles.how is TokenReduction.MEAN_VALID and ce.shape.layout is Layout.REDUCED

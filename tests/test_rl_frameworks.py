@@ -41,9 +41,9 @@ EXPECTED = {
     **{f"verl/padded-kl-{kl}": "tiled" for kl in ("k1", "abs", "k2", "k3", "k1+", "k3+")},
     "verl/padded-no-entropy": "tiled",
     "verl/rmpad": "tiled",
-    # `logits_rmpad.div_(T)` on `[1, nnz, V].squeeze(0)`, then logprobs_from_logits_v2's per-row
-    # loop beside the chunked entropy's row slices: "slices token rows that were regrouped"
-    "verl/rmpad-chunked-entropy": "skipped",
+    # `logits_rmpad.div_(T)` on `[1, nnz, V].squeeze(0)`, the log-probs of every row beside the
+    # chunked entropy's slices of the squeezed rows: each chunk a selection of the tiles' rows
+    "verl/rmpad-chunked-entropy": "tiled",
     "verl/rmpad-kl-k3": "tiled",
     "verl/rmpad-engine-temperature": "tiled",
     # log_probs_from_logits imports flash-attn inside a try block: a graph break between the head
@@ -63,14 +63,17 @@ EXPECTED = {
     "torchtune/grpo": "tiled",
     "torchtune/grpo-simple": "tiled",
     "torchtune/grpo-completion": "tiled",
-    # batched_logits_to_logprobs(chunk_size=1): chunks of sequences of the truncated logits, "slices
-    # the logits' token rows while `getitem` ... reads them whole"
-    "torchtune/grpo-batched-logprobs": "skipped",
+    # batched_logits_to_logprobs(chunk_size=1): chunks of sequences of the truncated logits, each a
+    # slice of a slice, one selection of the tiles' rows
+    "torchtune/grpo-batched-logprobs": "tiled",
     # ClippedPGLossFn reads a metric with .item() before the logits: a graph break between head
     # and log-softmax (reported in both graphs); without the metrics it is tiled
     "nemo-rl/clipped-pg": "skipped",
     "nemo-rl/clipped-pg-no-metrics": "tiled",
     "nemo-rl/clipped-pg-t1": "skipped",
+    # the sampler's top-k filter as a custom autograd.Function on the logits: named with its line
+    # and a fix (test_a_top_k_filter_is_named_with_its_line_and_a_fix)
+    "nemo-rl/clipped-pg-top-k": "skipped",
 }  # fmt: skip
 
 #: steps whose compiled gradients are off under plain ``backend="aot_eager"`` too (PyTorch, not
@@ -279,3 +282,31 @@ def test_openrlhf_steps_tile_with_the_integration(name, device):
     report = backend.report()
     assert len(report.rewrites) == step.heads and not report.skipped, f"{name}\n{report}"
     _check_close(compiled, oracle, f"{name} with the integration")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_top_k_filter_is_named_with_its_line_and_a_fix(device):
+    """A top-k filter the pass cannot tile (a custom autograd.Function, whose backward is its
+    author's; or ``torch.topk`` over the row) leaves the logits whole, exact, and the skip names the
+    filter's line and what to do."""
+    step = next(s for s in S.all_steps() if _key(s) == "nemo-rl/clipped-pg-top-k")
+    backend = tile_pass.backend("aot_eager", tile_tokens=SMALL_TILE)
+    torch._dynamo.reset()
+    compiled = _run(torch.compile(step.fn, backend=backend), step.data, device, torch.float32)
+    _check_close(compiled, _eager(step, device), "nemo-rl/clipped-pg-top-k")
+    (skip,) = backend.report().skipped
+    assert "_TopKFilter.apply(logits, top_k)" in skip.reason and "rl_steps.py:" in skip.reason
+    assert "custom autograd.Function" in skip.reason and "fix:" in skip.reason
+
+    def ops_filter(h, w, d):
+        logits = (h @ w.t()) / S.TEMPERATURE
+        kth = torch.topk(logits, S.V // 2, dim=-1).values[..., -1:]
+        lp = torch.log_softmax(logits.masked_fill(logits < kth, float("-inf")), -1)
+        return -lp.gather(-1, d["input_ids"].unsqueeze(-1)).squeeze(-1).mean()
+
+    backend = tile_pass.backend("aot_eager", tile_tokens=SMALL_TILE)
+    h, w, d = S.batch(device)
+    torch.compile(ops_filter, backend=backend)(h, w, d)
+    (skip,) = backend.report().skipped
+    assert "torch.topk(logits" in skip.reason and "top-k / top-p filter" in skip.reason
+    assert "fix:" in skip.reason

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from tile_kernels import V, call, ce_key, make_inputs, program_of, replace
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import tile_pass
 from tile_pass.plan import _tiling
-from tile_pass.tiles import _simplify, _tile_kernel
+from tile_pass.tiles import _simplify
 from tile_pass.tiles._tile_passes import compiled_middle
 
 aten = torch.ops.aten
@@ -54,9 +55,9 @@ def rewrites(monkeypatch):
 
     monkeypatch.setattr(compiled_middle, "simplify", counting)
     monkeypatch.setattr(compiled_middle, "split_label_column", splitting)
-    _tile_kernel.clear_caches()
+    tile_pass.clear_caches()
     yield counts
-    _tile_kernel.clear_caches()
+    tile_pass.clear_caches()
 
 
 class Rewrites(list):
@@ -92,7 +93,7 @@ def test_label_row_sum_is_gathered_and_the_tile_is_the_same_to_the_bit(case, rew
     assert all(rewrites.columns) and bool(rewrites.columns) == STORES  # the compiled middle
     monkeypatch.setattr(_simplify, "RULES", {})
     monkeypatch.setattr(_simplify, "split_label_column", lambda gm, index: False)
-    _tile_kernel.clear_caches()
+    tile_pass.clear_caches()
     plain = tile_outputs(key)
     assert rewrites[-1] == 0 and rewrites.columns[-1:] == [False] * STORES
     for got, want in zip(simplified, plain, strict=True):
@@ -219,7 +220,7 @@ def test_shared_row_statistics_tile_is_the_same_to_the_bit(form, rewrites, monke
     shared = tile_outputs(key)
     assert rewrites == [2]  # shared, and the label row sum gathered
     monkeypatch.setattr(_simplify, "RULES", without_shared_statistics())
-    _tile_kernel.clear_caches()
+    tile_pass.clear_caches()
     plain = tile_outputs(key)
     assert rewrites[-1] == 1 and rewrites.columns == [False, False] * STORES
     for got, want in zip(shared, plain, strict=True):
@@ -236,9 +237,9 @@ def middles(monkeypatch):
         return _simplify.simplify(gm)
 
     monkeypatch.setattr(compiled_middle, "simplify", recording)
-    _tile_kernel.clear_caches()
+    tile_pass.clear_caches()
     yield found
-    _tile_kernel.clear_caches()
+    tile_pass.clear_caches()
 
 
 def non_finite_logits(rows, vocab):

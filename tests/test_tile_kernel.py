@@ -14,7 +14,7 @@ from conftest import assert_no_worse_than_eager
 from tile_kernels import CASES, V, kernel, key_for
 
 import tile_pass
-from tile_pass import _settings
+from tile_pass import _caches, _settings
 from tile_pass._settings import CPU_GEMM_ENV
 from tile_pass.tiles import _tile_buffers, _tile_kernel
 from tile_pass.tiles._tile_kernel import TileKernelKey
@@ -138,7 +138,7 @@ def test_a_bad_cpu_gemm_setting_fails_at_import_not_in_a_step(monkeypatch, resto
 
 
 def test_kernel_caches_are_bounded_and_clearable(monkeypatch):
-    cache = _tile_kernel._BoundedCache(2)
+    cache = _caches.BoundedCache("test", 2)
     for i in range(5):
         cache.put(i, str(i))
     cache.get(3)

@@ -22,6 +22,7 @@ from tile_kernels import (
 )
 
 import tile_pass
+from tile_pass import _caches
 from tile_pass.plan import _tiling
 from tile_pass.plan._weight_grad import WeightGradSchedule
 from tile_pass.tiles import _tile_buffers, _tile_kernel, _tile_passes
@@ -36,7 +37,7 @@ from tile_pass.tiles._tile_passes import (
 )
 from tile_pass.tiles._tile_passes._graph import VIEWS
 from tile_pass.tiles._tile_passes.compiled_middle import Compiled
-from tile_pass.tiles._tile_passes.onednn_gemms import _onednn_mm, onednn_gemms_apply
+from tile_pass.tiles._tile_passes.onednn_gemms import _onednn_mm, _onednn_mm_transposed, onednn_gemms_apply
 from tile_pass.tiles._tile_passes.split_accumulation import _BlockedSplitAccumulate
 from tile_pass.tiles._tile_passes.upcast_accumulation import _BlockedUpcastAccumulate
 
@@ -109,8 +110,14 @@ SIGNATURES = {
     upcast_accumulation: (dict(dtype=torch.bfloat16, upcast=True), _has_accumulate_module),
     split_accumulation: (dict(dtype=torch.bfloat16, upcast=True, weight_grad=WeightGradSchedule.SPLIT),
                          lambda gm: any(isinstance(m, _BlockedSplitAccumulate) for m in gm.modules())),
-    onednn_gemms: (dict(dtype=torch.float32, onednn=True), lambda gm: graph_calls(gm, _onednn_mm)),
+    onednn_gemms: (dict(dtype=torch.float32, onednn=True), lambda gm: onednn_calls(gm)),
 }  # fmt: skip
+
+
+def onednn_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The GEMMs routed to oneDNN, in graph order (a transposed operand is passed as it is)."""
+    modules = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    return [n for m in modules for n in m.graph.nodes if n.target in (_onednn_mm, _onednn_mm_transposed)]
 
 
 @pytest.mark.parametrize("tile_pass_module", ORDER, ids=_name)
@@ -155,7 +162,7 @@ def test_compiled_middle_in_row_blocks_is_the_whole_tiles_middle(case, monkeypat
     whole = run(key_for(**options))
     assert isinstance(middle_of(key_for(**options)), Compiled)
     monkeypatch.setattr(compiled_middle, "MIDDLE_BLOCK_BYTES", 8 * V * 4)  # blocks of 8 or 16 rows
-    _tile_kernel.clear_caches()
+    tile_pass.clear_caches()
     middle = middle_of(key_for(**options))
     # with a bias the middle adds the bias gradient into its sum: blocks would reorder it
     if options.get("bias") or not _tiling.STORE_GRAD_OVER_LOGITS:
@@ -168,7 +175,7 @@ def test_compiled_middle_in_row_blocks_is_the_whole_tiles_middle(case, monkeypat
             assert got is None
         else:
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-    _tile_kernel.clear_caches()
+    tile_pass.clear_caches()
 
 
 def test_returned_logits_keep_their_own_buffer():
@@ -223,7 +230,7 @@ def test_half_precision_weight_gradient_is_added_by_a_compiled_kernel():
 def test_half_precision_weight_gradient_is_formed_in_row_blocks(monkeypatch):
     """With blocks of 40 rows, V=96 runs as 40 + 40 + 16 rows: no [V, H] bf16 temporary, and
     the float32 sum equals the eager tile's."""
-    monkeypatch.setattr(_tile_kernel, "_cache", _tile_kernel._BoundedCache(8))
+    monkeypatch.setattr(_tile_kernel, "_cache", _caches.BoundedCache("tile functions", 8))
     monkeypatch.setattr(upcast_accumulation, "UPCAST_BLOCK_BYTES", 40 * H * 2)
     options = CASES["bf16-upcast-bias"]
     key = key_for(**options)
@@ -250,14 +257,14 @@ def test_float32_gemms_run_through_onednn_and_match_aten(compiled, bias, avx512,
     aten_key = replace(key, onednn=False)
     # the logits GEMM (with its bias) always; the hidden-gradient GEMM on an AVX-512 CPU only,
     # else aten's into a buffer of its own; the in-place weight-gradient addmm_ stays aten's
-    routed = graph_calls(kernel(key), _onednn_mm)
+    routed = onednn_calls(kernel(key))
     assert len(routed) == (2 if avx512 else 1)
     assert routed[0].meta["val"].shape == (key.tile, key.vocab_size)  # the logits
     assert len(graph_calls(kernel(key), _tile_buffers.fresh_mm)) == (0 if avx512 else 1)
     assert not graph_calls(kernel(key), torch.ops.aten.mm.default)
     assert not graph_calls(kernel(key), torch.ops.aten.addmm.default)
     assert len(graph_calls(kernel(key), torch.ops.aten.addmm_.default)) == 1
-    assert not graph_calls(kernel(aten_key), _onednn_mm)
+    assert not onednn_calls(kernel(aten_key))
     for got, want in zip(run(key), run(aten_key), strict=True):
         if want is None:
             assert got is None
@@ -268,7 +275,7 @@ def test_float32_gemms_run_through_onednn_and_match_aten(compiled, bias, avx512,
 @needs_onednn
 def test_half_precision_gemms_stay_aten():
     key = key_for(torch.bfloat16, upcast=True, onednn=True)
-    assert not graph_calls(kernel(key), _onednn_mm)
+    assert not onednn_calls(kernel(key))
 
 
 def test_onednn_mm_falls_back_to_aten_where_onednn_does_not_apply():
@@ -278,6 +285,11 @@ def test_onednn_mm_falls_back_to_aten_where_onednn_does_not_apply():
     assert empty.shape == (4, 5) and not empty.any()
     a, b, bias = torch.randn(4, 3), torch.randn(5, 3).t(), torch.randn(5)
     torch.testing.assert_close(_onednn_mm(a, b, bias), torch.addmm(bias, a, b))
+    # given the transposed operand as it is: oneDNN in float32, aten otherwise
+    for x, b_t in ((a, b.t()), (a.double(), b.t().double())):
+        torch.testing.assert_close(_onednn_mm_transposed(x, b_t), x @ b_t.t())
+        c = bias.to(x.dtype)
+        torch.testing.assert_close(_onednn_mm_transposed(x, b_t, c), torch.addmm(c, x, b_t.t()))
 
 
 # ------------------------------------------------------------------------- huge_pages
@@ -287,7 +299,7 @@ def test_only_a_returned_weight_gradient_gets_a_buffer_of_its_own():
     """The only tile's weight gradient (the ``direct`` schedule, returned) is formed into a
     buffer of its own from _tile_buffers.empty (huge pages where it is large enough), as is the
     returned hidden gradient; a weight gradient summed across tiles is not."""
-    _tile_kernel.clear_caches()
+    tile_pass.clear_caches()
     try:
         summed = key_for(torch.bfloat16, upcast=True)
         direct = replace(summed, weight_grad=WeightGradSchedule.DIRECT)
@@ -298,7 +310,7 @@ def test_only_a_returned_weight_gradient_gets_a_buffer_of_its_own():
         _, _, want = call(eager, *make_inputs(eager))
         torch.testing.assert_close(grad_weight, want, rtol=0, atol=0)
     finally:
-        _tile_kernel.clear_caches()
+        tile_pass.clear_caches()
 
 
 @needs_onednn
@@ -311,7 +323,7 @@ def test_float32_returned_gradients_get_a_buffer_unless_onednn_makes_them(avx512
     direct = replace(key_for(torch.float32, onednn=True), weight_grad=WeightGradSchedule.DIRECT)
     gm = kernel(direct)
     assert len(graph_calls(gm, _tile_buffers.fresh_mm)) == (0 if avx512 else 2)  # dW and dh
-    assert len(graph_calls(gm, _onednn_mm)) == (3 if avx512 else 1)  # the logits first
+    assert len(onednn_calls(gm)) == (3 if avx512 else 1)  # the logits first
 
 
 # ---------------------------------------------------------------- split_accumulation

@@ -52,6 +52,10 @@ def cross_entropy_code(
     return loss
 
 
+#: the programs made here: the registry finds a program while something holds it
+_held: list[_region.RowProgram] = []
+
+
 def program_of(code, dtype, bias: bool, class_weights=False, vocab=V, hidden=H) -> _region.RowProgram:
     """The program the matcher builds for ``code`` on ``dtype`` inputs."""
     if bias and class_weights:
@@ -74,7 +78,9 @@ def program_of(code, dtype, bias: bool, class_weights=False, vocab=V, hidden=H) 
         ]
     _ExampleValues(graph_module).run(*examples)
     projection = next(n for n in graph_module.graph.nodes if n.target is F.linear)
-    return match_row_region(graph_module.graph, projection).program
+    program = match_row_region(graph_module.graph, projection).program
+    _held.append(program)  # its key stands for a compiled graph here, which holds its program
+    return program
 
 
 def ce_key(

@@ -9,13 +9,13 @@ from tile_pass import (
     _logging,  # noqa: F401  (registers TORCH_LOGS="tile_pass")
     _settings,  # noqa: F401  (reads TILE_PASS_* once; a bad value fails here)
 )
+from tile_pass._caches import clear_caches
 from tile_pass._compile import compile
 from tile_pass._options import TileOptions
 from tile_pass.decorator import TiledLossNotApplied, tiled_loss
 from tile_pass.dynamo_backend import Backend, backend, default_backend, explain, tile_pass_backend
 from tile_pass.functional import linear_cross_entropy
 from tile_pass.report import GraphReport, Report, Rewrite, Skip
-from tile_pass.tiles._tile_kernel import clear_caches
 from tile_pass.validation import ValidationError, ValidationResult, validate
 
 __all__ = [

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import threading
-from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -32,8 +30,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _force_skip_lazy_graph_module
 
+from tile_pass._caches import BoundedCache
 from tile_pass._options import FIELDS, TileOptions
-from tile_pass.rewrite import rewrite_graph
+from tile_pass.rewrite import programs_called, rewrite_graph
 
 
 class Options(NamedTuple):
@@ -161,13 +160,14 @@ def _build(options: Options) -> torch.fx.GraphModule:
         if len(result.report.rewrites) != 1:
             reasons = "; ".join(s.reason for s in result.report.skipped) or "no region found"
             raise RuntimeError(f"tile_pass: internal error: the textbook loss was not rewritten ({reasons})")
-        return torch.fx.GraphModule(gm, gm.graph)
+        graph = torch.fx.GraphModule(gm, gm.graph)
+        graph.programs = programs_called(graph.graph)  # found by their keys while the graph lives
+        return graph
 
 
-_graphs: OrderedDict[str, torch.fx.GraphModule] = OrderedDict()
-_graphs_lock = threading.Lock()
 #: Rewritten textbook graphs kept at once (one per set of options; rebuilt when evicted).
 TEXTBOOK_CACHE_SIZE = 64
+_graphs = BoundedCache("textbook graphs", TEXTBOOK_CACHE_SIZE)
 
 
 @torch.compiler.assume_constant_result
@@ -176,15 +176,8 @@ def graph_key(*fields) -> str:
     missing (the fields one by one: Dynamo converts each constant, not a tuple class)."""
     options = Options(*fields)
     key = repr(options)
-    with _graphs_lock:
-        if key in _graphs:
-            _graphs.move_to_end(key)
-            return key
-    graph = _build(options)
-    with _graphs_lock:
-        _graphs[key] = graph
-        while len(_graphs) > TEXTBOOK_CACHE_SIZE:
-            _graphs.popitem(last=False)
+    if _graphs.get(key) is None:
+        _graphs.put(key, _build(options))
     return key
 
 

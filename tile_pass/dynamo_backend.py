@@ -17,7 +17,14 @@ from tile_pass._options import TileOptions, tile_options
 from tile_pass.inspection import _dump
 from tile_pass.inspection._oracle import validating_call
 from tile_pass.report import GraphReport, Report, graph_break_hint
-from tile_pass.rewrite import GRAPH_BREAK, LEFT_WHOLE, internal_error, is_region_node, rewrite_graph
+from tile_pass.rewrite import (
+    GRAPH_BREAK,
+    LEFT_WHOLE,
+    internal_error,
+    is_region_node,
+    programs_called,
+    rewrite_graph,
+)
 from tile_pass.splice._returned_logits import rebuild_outputs
 from tile_pass.tiles._higher_order import guard_outputs, outputs_guarded, region_outputs
 
@@ -128,16 +135,7 @@ class Backend:
         original = copy.deepcopy(gm) if self.validate else None
         result = rewrite_graph(gm, self.tiling, graph_index=self._graphs_seen)
         report = result.report
-        breaks = _new_dynamo_breaks()
-        here = _graph_break_here()
-        for skip in report.skipped:  # the logits came from the graph before the break: name the break
-            if skip.reason == GRAPH_BREAK and self._last_break is not None:
-                skip.reason = f"{GRAPH_BREAK}. {_named_break(self._last_break, self._breaks_then + breaks)}"
-            elif LEFT_WHOLE in skip.reason and here is not None:  # the break that ends this graph
-                after = _named_break(here, breaks).replace("broke the graph before it", "ended this graph")
-                skip.reason = f"{skip.reason}. {after}"
-        self._last_break = here
-        self._breaks_then = breaks
+        self._name_graph_breaks(report)
         self._graphs_seen += 1
         self.reports.append(report)
         for decision in [*report.rewrites, *report.skipped]:
@@ -164,24 +162,22 @@ class Backend:
             gm.recompile()
             report.rewrites.clear()
             report.skipped.append(internal_error(report.index, lines, error))
-            return inner_compiler(gm, example_inputs)
-        # a second derivative through a region raises where it is requested (see _higher_order)
-        first_order = region_outputs(gm, is_region_node)
-        if result.returned_logits:
-            rebuilt = {record.output_index for record in result.returned_logits}
-            compiled = _with_rebuilt_outputs(compiled, result.num_outputs, result.returned_logits)
-            first_order = [i for i in first_order if i < result.num_outputs and i not in rebuilt]
-        if first_order:
-            compiled = guard_outputs(compiled, first_order)
-        if original is not None and report.rewrites:
-            num_outputs = result.num_outputs or len(gm.graph.output_node().args[0])
-            compiled = validating_call(
-                original,
-                compiled,
-                num_outputs,
-                on_result=lambda result: setattr(report, "validation", result),
-            )
-        return compiled
+            return _holding(inner_compiler(gm, example_inputs), programs_called(gm.graph))
+        return _holding(_wrapped(compiled, gm, result, original), programs_called(gm.graph))
+
+    def _name_graph_breaks(self, report: GraphReport) -> None:
+        """A skip whose logits came from the graph before a break names that break; a head left whole
+        names the break that ends this graph."""
+        breaks = _new_dynamo_breaks()
+        here = _graph_break_here()
+        for skip in report.skipped:
+            if skip.reason == GRAPH_BREAK and self._last_break is not None:
+                skip.reason = f"{GRAPH_BREAK}. {_named_break(self._last_break, self._breaks_then + breaks)}"
+            elif LEFT_WHOLE in skip.reason and here is not None:
+                after = _named_break(here, breaks).replace("broke the graph before it", "ended this graph")
+                skip.reason = f"{skip.reason}. {after}"
+        self._last_break = here
+        self._breaks_then = breaks
 
     def report(self) -> Report:
         """The decisions on every graph this backend compiled (up to ``keep_reports``)."""
@@ -294,6 +290,23 @@ def backend(inner: str | CompilerFn = "inductor", **settings: Any) -> Backend:
     return Backend(inner, **settings)
 
 
+def _holding(compiled: Callable, programs: tuple) -> Callable:
+    """``compiled``, holding the programs its region calls run, which it names by key only: the
+    program registry forgets a program nothing holds (see :func:`tile_pass.rewrite.programs_called`)."""
+    if not programs:
+        return compiled
+    try:
+        compiled.tile_pass_programs = (*getattr(compiled, "tile_pass_programs", ()), *programs)
+        return compiled
+    except AttributeError:  # a bound method (the inner compiler "eager"): a function holds them
+
+        def run(*args):
+            return compiled(*args)
+
+        run.tile_pass_programs = programs
+        return run
+
+
 def _with_rebuilt_outputs(compiled: Callable, num_outputs: int, records) -> Callable:
     """Wrap a compiled graph so it returns the original outputs (see _returned_logits)."""
 
@@ -352,3 +365,23 @@ def explain(fn: Callable, *args: Any, tiling: TileOptions | None = None, **kwarg
     ``tile_pass.backend(inner, ...).explain(fn, ...)`` explains any configured backend.)"""
     planner = default_backend() if tiling is None else Backend(tiling=tiling)
     return planner.explain(fn, *args, **kwargs)
+
+
+def _wrapped(compiled: Callable, gm: torch.fx.GraphModule, result, original) -> Callable:
+    """The compiled graph as the caller must see it: returned logits rebuilt from the tiles, a second
+    derivative through a region raising where it is requested (see ``_higher_order``), and, with
+    ``validate=True``, each call checked against the graph Dynamo gave."""
+    report = result.report
+    first_order = region_outputs(gm, is_region_node)
+    if result.returned_logits:
+        rebuilt = {record.output_index for record in result.returned_logits}
+        compiled = _with_rebuilt_outputs(compiled, result.num_outputs, result.returned_logits)
+        first_order = [i for i in first_order if i < result.num_outputs and i not in rebuilt]
+    if first_order:
+        compiled = guard_outputs(compiled, first_order)
+    if original is not None and report.rewrites:
+        num_outputs = result.num_outputs or len(gm.graph.output_node().args[0])
+        compiled = validating_call(
+            original, compiled, num_outputs, on_result=lambda outcome: setattr(report, "validation", outcome)
+        )
+    return compiled

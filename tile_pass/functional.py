@@ -112,14 +112,7 @@ def linear_cross_entropy(
         hidden, linear_weight, target, vocab_shard = local_head(hidden, linear_weight, target, bias, weight)
     else:  # eager's own checks, in eager's order, with its exception and message (before any tile)
         checked = hidden, linear_weight, bias, target, weight, reduction, ignore_index, label_smoothing
-        if _departs(*checked, upcast):
-            try:
-                _raise_as_eager(*checked, upcast)
-            except RuntimeError as error:
-                if weight is None or weight.shape != linear_weight.shape or "weight tensor" not in str(error):
-                    raise
-                raise _ClassWeightsError(f"{error}. {_class_weights_hint(weight)}") from error
-        _raise_as_torch_for_options(*checked, options)
+        _raise_as_eager_would(checked, upcast, options)
     vocab_size, hidden_size = _check_head(hidden, head_shape, bias, weight, reduction, label_smoothing)
     soft_targets, ignore_index = _check_target(target, hidden, vocab_size, ignore_index)
     target_shape = target.shape[:-1] if soft_targets else target.shape
@@ -130,27 +123,10 @@ def linear_cross_entropy(
         raise ValueError(
             f"Expected input batch_size ({hidden.shape[0]}) to match target batch_size ({target.shape[0]})."
         )
-    dtype = autocast_dtype(hidden.device.type)
-    if dtype is not None:  # autocast's rule for F.linear
-        hidden, linear_weight = hidden.to(dtype), linear_weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-    if not (hidden.dtype == linear_weight.dtype and (bias is None or bias.dtype == hidden.dtype)):
-        raise RuntimeError(
-            "input, linear_weight and linear_bias must share one dtype, as F.linear requires; got "
-            f"{hidden.dtype}, {linear_weight.dtype}, {None if bias is None else bias.dtype}"
-        )
+    hidden, linear_weight, bias = _as_autocast_casts(hidden, linear_weight, bias)
     upcast = bool(upcast) and hidden.dtype in _HALF
     loss_dtype = torch.float32 if upcast else hidden.dtype
-    if weight is not None and weight.dtype != loss_dtype:  # eager accepted it: autocast's cast
-        weight = weight.to(loss_dtype)
-    if target.dtype == torch.uint8:  # eager accepts Byte class indices; the tile's gather does not
-        _check_byte_labels(target, vocab_size, ignore_index, reduction)
-        target = target.long()
-    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
-        # eager's cross entropy (and torch's linear_cross_entropy) refuse to differentiate class
-        # weights: raise exactly that, from eager itself, on one stand-in row
-        row = torch.zeros((1, weight.shape[0]), dtype=weight.dtype, device=weight.device)
-        F.cross_entropy(row, torch.zeros((1,), dtype=torch.long, device=weight.device), weight=weight)
+    weight, target = _as_the_tiles_take(weight, target, loss_dtype, vocab_size, ignore_index, reduction)
     target_grad = soft_targets and target.requires_grad and torch.is_grad_enabled()
     # Python constants only (Dynamo hands them to an assume_constant_result function): under
     # dynamic=True the head's sizes and the options are specialised (a guard each; the token
@@ -167,6 +143,48 @@ def linear_cross_entropy(
     )  # fmt: skip
     loss = _textbook.run(options, hidden, linear_weight, bias, target, weight)
     return loss.view(target_shape) if reduction == "none" else loss
+
+
+def _raise_as_eager_would(checked: tuple, upcast: bool, options) -> None:
+    """Raise what eager (or torch's op, for its options) raises for these arguments, if anything."""
+    hidden, linear_weight, bias, target, weight, reduction, ignore_index, label_smoothing = checked
+    if _departs(*checked, upcast):
+        try:
+            _raise_as_eager(*checked, upcast)
+        except RuntimeError as error:
+            if weight is None or weight.shape != linear_weight.shape or "weight tensor" not in str(error):
+                raise
+            raise _ClassWeightsError(f"{error}. {_class_weights_hint(weight)}") from error
+    _raise_as_torch_for_options(*checked, options)
+
+
+def _as_autocast_casts(hidden, linear_weight, bias):
+    """The head's operands as ``F.linear`` gets them: autocast's dtype, else one shared dtype."""
+    dtype = autocast_dtype(hidden.device.type)
+    if dtype is not None:  # autocast's rule for F.linear
+        hidden, linear_weight = hidden.to(dtype), linear_weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    if not (hidden.dtype == linear_weight.dtype and (bias is None or bias.dtype == hidden.dtype)):
+        raise RuntimeError(
+            "input, linear_weight and linear_bias must share one dtype, as F.linear requires; got "
+            f"{hidden.dtype}, {linear_weight.dtype}, {None if bias is None else bias.dtype}"
+        )
+    return hidden, linear_weight, bias
+
+
+def _as_the_tiles_take(weight, target, loss_dtype, vocab_size, ignore_index, reduction):
+    """Class weights and labels in the forms the tiles take, where eager accepts others."""
+    if weight is not None and weight.dtype != loss_dtype:  # eager accepted it: autocast's cast
+        weight = weight.to(loss_dtype)
+    if target.dtype == torch.uint8:  # eager accepts Byte class indices; the tile's gather does not
+        _check_byte_labels(target, vocab_size, ignore_index, reduction)
+        target = target.long()
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        # eager's cross entropy (and torch's linear_cross_entropy) refuse to differentiate class
+        # weights: raise exactly that, from eager itself, on one stand-in row
+        row = torch.zeros((1, weight.shape[0]), dtype=weight.dtype, device=weight.device)
+        F.cross_entropy(row, torch.zeros((1,), dtype=torch.long, device=weight.device), weight=weight)
+    return weight, target
 
 
 def _check_head(hidden, head_shape, bias, weight, reduction, label_smoothing) -> tuple[int, int]:

@@ -1,27 +1,16 @@
-"""What the pass did: one record per candidate region, readable as text or as a dict."""
+"""What the pass did: one record per candidate region, readable as text or as a dict.
+
+The driver (:mod:`tile_pass.rewrite`) decides; a rewritten region's record is filled from the
+matched region and its tile plan by :func:`tile_pass._rewrite_record.rewrite_record`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
-
-_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>.*)')
-
-
-def source_line(node) -> str:
-    """``file:line (function): code`` of the user frame that produced ``node``, or ``?``."""
-    trace = node.meta.get("stack_trace") if node is not None else None
-    frames = list(_FRAME.finditer(trace or ""))
-    if not frames:
-        return "?"
-    last = frames[-1]
-    path = last["file"].rsplit("/", 1)[-1]
-    return f"{path}:{last['line']} ({last['func']}): {last['code'].strip()}"
-
 
 #: The ``[N, V]`` tensors an unfused cross entropy step makes (eager, ``aot_eager``) that the tiles
 #: replace, by key of :attr:`Rewrite.logits_bytes`; ``forward_bytes_avoided`` sums the first three,
@@ -204,8 +193,12 @@ class Rewrite:
             "step's (eager, aot_eager: saved log-probabilities, "
             f"{loss_grad} and logits gradient at once in backward), net of the tiles' "
             f"{_fmt_bytes(self.tile_buffer_bytes)}"
-            + (f" and of the gradients they form meanwhile ({_fmt_bytes(self.grad_buffer_bytes)}, "
-               "formed after an unfused step's peak)" if self.grad_buffer_bytes else "")
+            + (
+                f" and of the gradients they form meanwhile ({_fmt_bytes(self.grad_buffer_bytes)}, "
+                "formed after an unfused step's peak)"
+                if self.grad_buffer_bytes
+                else ""
+            )
         )
 
 

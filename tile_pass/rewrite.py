@@ -17,26 +17,20 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-try:  # torch >= 2.13
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
-except ImportError:  # torch 2.11/2.12: the same unguarded hint, under its older name
-    from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
-
 from tile_pass._logging import log
 from tile_pass._options import TileOptions
+from tile_pass._rewrite_record import optimization_hint, rewrite_record
 from tile_pass.match import _region_match, _rules
 from tile_pass.match._fold_loops import fold_row_loops
 from tile_pass.match._functionalize import functionalize_writes
-from tile_pass.match._fx import NoMatch, as_linear, describe, projection_of, same, val
-from tile_pass.match._op_facts import RuleKind, facts_for, spelling
-from tile_pass.match._records import describe_output
+from tile_pass.match._fx import NoMatch, as_linear, describe, projection_of, same, source_line, val
+from tile_pass.match._op_facts import facts_for, spelling
 from tile_pass.match._rules import LOSS_SIGNATURES, bind
-from tile_pass.plan import _weight_grad
-from tile_pass.plan._plan import RegionCall, plan_tiles
+from tile_pass.plan._plan import RegionCall
 from tile_pass.plan._tiling import TileSize, choose_tile_tokens
-from tile_pass.plan._weight_grad import WeightGradSchedule
-from tile_pass.program._region import Layout, Step
-from tile_pass.report import GraphReport, Rewrite, Skip, logits_bytes_fields, source_line
+from tile_pass.program import _region
+from tile_pass.program._region import RowProgram
+from tile_pass.report import GraphReport, Skip
 from tile_pass.splice import _splice
 from tile_pass.splice._returned_logits import ReturnedLogits
 from tile_pass.tiles.tiled_region import run_region
@@ -111,6 +105,18 @@ def is_region_node(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     return node.target is run_region or (getattr(node.target, "namespace", None) == "tile_pass")
+
+
+def programs_called(graph: torch.fx.Graph) -> tuple[RowProgram, ...]:
+    """The programs of the region calls in ``graph``. A compiled graph refers to its programs by
+    key only; whatever runs it holds these, so the program registry finds them for as long as the
+    graph lives (it forgets only programs no live graph holds)."""
+    keys = {
+        RegionCall.parse(node.kwargs["call"]).program
+        for node in graph.nodes
+        if is_region_node(node) and isinstance(node.kwargs.get("call"), str)
+    }
+    return tuple(_region.lookup(key) for key in sorted(keys))
 
 
 def _restore(gm: torch.fx.GraphModule, pristine: torch.fx.Graph) -> None:
@@ -326,7 +332,7 @@ def _rewrite_row_regions(
         for head in covered & skipped_heads.keys():  # a teacher head computed first, now a partner
             report.skipped.remove(skipped_heads.pop(head))
         report.rewrites.append(
-            _rewritten(report.index, region, val(node), splice, covered, tile, loss_line, options)
+            rewrite_record(report.index, region, val(node), splice, covered, tile, loss_line, options)
         )
 
 
@@ -338,154 +344,3 @@ def _tile_asked(region, logits, options: TileOptions) -> TileSize:
         tile_bytes=options.tile_bytes, device=logits.device, fused=options.compile_tiles,
     )  # fmt: skip
     return TileSize(tokens, automatic=options.tile_tokens is None)
-
-
-def _rewritten(
-    graph: int, region, logits, splice, covered, tile: TileSize, loss_line: str, options
-) -> Rewrite:
-    """The report's record of one rewritten region: the plan the tile loop will make for the sizes'
-    hints (the same :func:`tile_pass.plan._plan.plan_tiles`), the bytes it avoids, how it was spliced."""
-    dtype, vocab, num_tokens = logits.dtype, region.program.vocab_size, region.num_tokens
-    weight, tokens = val(region.weight), optimization_hint(num_tokens, fallback=8192)  # unguarded hints
-    # the loop's head: this rank's vocabulary rows when sharded
-    shape = (optimization_hint(vocab, fallback=4096), optimization_hint(weight.shape[1], fallback=4096))
-    tile_plan = plan_tiles(tokens, tokens, tile, shape, dtype, weight.device, options.compile_tiles)
-    backward = any(o.differentiable for o in region.outputs)  # none under torch.no_grad()
-    returned = [val(o.node) for o in region.outputs if o.shape.layout is Layout.ROWS]
-    returned += [val(node) for node in region.kept_whole]
-    kept = sum(value.numel() * value.element_size() for value in returned)
-    outputs = ", ".join(f"{describe_output(o)}" for o in region.outputs)
-    shard = region.program.shard  # a vocabulary-sharded head: bytes are this rank's
-    parallel = ""
-    if shard is not None:
-        degree = torch.distributed.distributed_c10d._resolve_process_group(shard[0]).size()
-        parallel = (f" [tensor-parallel: degree {degree}, this rank's vocabulary rows {shard[1]}.."
-                    f"{shard[1] + vocab - 1}; bytes per rank]")  # fmt: skip
-    return Rewrite(
-        graph=graph,
-        matmul_source=source_line(region.projection),
-        loss_source=loss_line,
-        form=" -> ".join(region.steps_text) + f" => {outputs}" + parallel,
-        num_tokens=_plain(num_tokens),
-        hidden_size=_plain(weight.shape[1]),
-        vocab_size=_plain(vocab if shard is None else shard[2]),
-        dtype=str(dtype).replace("torch.", ""),
-        reduction=_reduction_text(region, covered, backward),
-        tile_tokens=tile_plan.tile,
-        num_tiles=_plain((num_tokens + tile_plan.tile - 1) // tile_plan.tile),
-        **logits_bytes_fields(
-            num_tokens * vocab, dtype.itemsize, kept, tile_plan.tile_bytes, _plain, backward=backward,
-            grad_buffer=_gradients_formed(region, tile_plan, tokens, shape, dtype),
-        ),
-        returned_logits=splice.returned_logits,
-        returned_logits_bytes=_plain(kept),
-        compiled_tiles=options.compile_tiles,
-        weight_grad_sum=_weight_grad_sum(
-            tile_plan.schedule if weight.requires_grad and backward else None, dtype
-        ),
-        token_skipping=_token_skipping(region),
-        backward=backward,
-        loss_grad_ops=_loss_grad_ops(region.program),
-    )
-
-
-def _gradients_formed(region, tile_plan, num_tokens, head_shape, dtype):
-    """Bytes of the gradients the tile loop forms while its buffers live: the weight's sum under
-    its schedule and the hidden states' (one row a token), where they need one."""
-    weight, hidden = val(region.weight), val(region.hidden)
-    held = 0
-    if weight is not None and weight.requires_grad:
-        held += _weight_grad.bytes_per_weight(tile_plan.schedule, dtype) * head_shape[0] * head_shape[1]
-    if hidden is not None and hidden.requires_grad:
-        held += num_tokens * head_shape[1] * hidden.dtype.itemsize
-    return held
-
-
-def _loss_grad_ops(program) -> str:
-    """The ops that turn each row of ``[N, V]`` values into per-token values, whose ``[N, V]``
-    input gradient an unfused backward makes (a cross entropy's is ``nll_loss``'s)."""
-    facts = {step.target: found for step in program.steps if (found := facts_for(step.target)) is not None}
-    losses = {"nll_loss" if f.key in ("cross_entropy", "nll_loss") else f.key: None
-              for f in facts.values() if f.kind is RuleKind.LOSS}  # fmt: skip
-    if losses:  # a cross entropy's is nll_loss's; a KL's, kl_div's
-        return " and ".join(losses)
-    reads = (RuleKind.GATHER, RuleKind.VOCAB_REDUCTION)
-    names = {Step.describe(step): None for step in program.steps
-             if step.target in facts and facts[step.target].kind in reads}  # fmt: skip
-    return " and ".join(names) or "the loss"
-
-
-def _reduction_text(region, covered: set, backward: bool = True) -> str:
-    """The eager reduction of the region's one loss call when that loss is all it computes
-    (beside returned logits), else the steps of a hand-written scalar loss's reduction,
-    and whether the op forms the loss's gradient in forward (one scalar), in backward, or not at all."""
-    calls = [n for n in covered if n.op == "call_function" and n.target in LOSS_SIGNATURES]
-    eager = None
-    if len(calls) == 1 and [o.node for o in region.outputs if o.shape.layout is not Layout.ROWS] == calls:
-        options = bind(LOSS_SIGNATURES[calls[0].target], calls[0])
-        eager = options["reduction"] if isinstance(options["reduction"], str) else None
-    if region.program.reduction is not None:
-        scalar = "one scalar loss (its gradient formed in forward)"
-        if not region.program.reduction.linear:
-            scalar = ("one scalar loss, nonlinear in the tokens' outputs (its gradient formed in forward, "
-                      "each tile holding the tokens the loss couples, or a group longer than a tile in "
-                      "per-summary sums; where neither applies, two passes: the debug log says which "
-                      "ran)")  # fmt: skip
-        steps = " -> ".join(
-            step.describe()
-            for step in region.program.reduction.steps  # the user's ops
-            if not getattr(step.target, "__module__", "").startswith("tile_pass")
-        )
-        return f"{eager or steps or 'its own steps'}: {scalar}"
-    if not backward:
-        return eager or "per-token outputs (no gradient: no output needs one, so no backward runs)"
-    return eager or "per-token outputs (gradient re-derived in backward)"
-
-
-_SCHEDULE_TEXT = {
-    WeightGradSchedule.DIRECT: "formed by the only tile's GEMM, no sum across tiles",
-    WeightGradSchedule.SPLIT: "float32 sum in two 16-bit planes, rounded over the high one",
-    WeightGradSchedule.FLOAT32: "float32 sum",
-}
-
-
-def _weight_grad_sum(schedule: WeightGradSchedule | None, dtype: torch.dtype) -> str:
-    """How the tiles will form the weight gradient, and what it holds (see _weight_grad)."""
-    if schedule is None:
-        return "none"
-    what = _SCHEDULE_TEXT[schedule]
-    if schedule is WeightGradSchedule.FLOAT32 and dtype == torch.float64:
-        what = "float64 sum"
-    elif schedule is WeightGradSchedule.FLOAT32 and dtype != torch.float32:
-        what += ", rounded into a separate gradient"
-    held = _weight_grad.bytes_per_weight(schedule, dtype)
-    return f"{what} ({held} bytes per weight at the end of the loop, the returned gradient included)"
-
-
-def _token_skipping(region) -> str:
-    """Which tokens the tiles may leave out (``tiled_region._skipped_rows`` decides per batch), or
-    the output that makes every token run: a token is left out only where every output is zero
-    whatever its logits, or reaches the loss with a zero token weight."""
-    outputs = list(zip(region.outputs, region.program.outputs, strict=True))
-    rows = [found for found, out in outputs if out.layout is Layout.ROWS]
-    if rows:
-        return f"none: the graph returns the logits of every token ({rows[0].node.name})"
-    always = [found for found, out in outputs if out.zeros is None and not out.only_loss]
-    if always:
-        return (
-            f"none: {always[0].node.name} is read outside the loss and is not zero at an ignored label or a "
-            "zero mask"
-        )
-    kinds = [
-        "an ignored label or a zero mask" if any(out.zeros is not None for _, out in outputs) else "",
-        "a zero token weight in the loss" if any(o.only_loss and o.zeros is None for _, o in outputs) else "",
-    ]
-    return (
-        f"on CPU, tokens where every output is zero ({' or '.join(filter(None, kinds))}) run no GEMM; "
-        "an accelerator runs every token (finding them would synchronise with the host)"
-    )
-
-
-def _plain(value) -> int | str:
-    hint = None if isinstance(value, int) else value.node.hint  # None: an unbacked size has no value
-    return value if isinstance(value, int) else str(value) if hint is None else f"{value} ({hint} at compile)"

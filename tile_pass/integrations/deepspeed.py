@@ -56,8 +56,8 @@ import types
 
 import torch
 
-import tile_pass
 from tile_pass.dynamo_backend import Backend
+from tile_pass.integrations._head import backend_from
 
 __all__ = ["compile_engine", "hand_head_to_tile_pass"]
 
@@ -143,7 +143,7 @@ def compile_engine(
     (``head=`` as there), then ``engine.compile(backend=tile_pass.backend(inner, **backend_options))``.
     ``inner`` may also be a ready :class:`tile_pass.Backend`. Returns the backend (``.report()``
     says what was rewritten)."""
-    backend = inner if isinstance(inner, Backend) else tile_pass.backend(inner, **backend_options)
+    backend = backend_from(inner, backend_options)
     hand_head_to_tile_pass(engine, head)
     engine.compile(backend=backend)
     return backend

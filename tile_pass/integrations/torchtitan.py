@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 import tile_pass
 from tile_pass._options import TileOptions, tile_options
+from tile_pass.integrations._head import CompiledHead, backend_from
 
 _EP_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
 
@@ -145,8 +146,8 @@ class TiledCrossEntropyLoss(ChunkedLossWrapper):
         self.num_chunks = 1
         self.loss_fn = None
         self.lm_head = None
-        self.backend = tile_pass.backend(inner, tiling=config.tiling)
-        self._compiled = torch.compile(_head_and_loss, backend=self.backend)
+        self._compiled = CompiledHead(_head_and_loss, backend_from(inner, {"tiling": config.tiling}))
+        self.backend = self._compiled.backend
 
     def __call__(
         self,
@@ -179,14 +180,15 @@ class TiledCrossEntropyLoss(ChunkedLossWrapper):
     fqns=["loss"],
     description="tile_pass: lm_head and cross entropy in one tiled graph",
 )
-def tiled_loss(cfg, *, inner: str | None = None, tiling: TileOptions | None = None, **tile_fields: Any):
+def tiled_loss(cfg, *, inner: str | None = None, **backend_options: Any):
     """``--override.imports tile_pass.integrations.torchtitan.tiled_loss``: the trainer's
     ``CrossEntropyLoss`` or ``ChunkedLossWrapper`` (of a ``CrossEntropyLoss``) becomes a
-    :class:`TiledCrossEntropyLoss`; any other loss raises. ``inner`` and
-    :class:`tile_pass.TileOptions`'s fields may be given as the override's arguments
-    (``tiled_loss={"inner": "aot_eager", "tile_tokens": 1024}``), or ``tiling=`` from Python."""
+    :class:`TiledCrossEntropyLoss`; any other loss raises. ``inner`` and ``backend_options`` as
+    every integration takes them (:mod:`tile_pass.integrations._head`), given as the override's
+    arguments (``tiled_loss={"inner": "aot_eager", "tile_tokens": 1024}``) or from Python
+    (``tiling=``); the trainer's config carries the tiling, so only it may be given."""
     entry = "tile_pass.integrations.torchtitan.tiled_loss"
-    tiling = tile_options(entry, tiling, tile_fields, ("cfg", "inner"))
+    tiling = tile_options(entry, backend_options.pop("tiling", None), backend_options, ("cfg", "inner"))
     loss = cfg.loss_fn if type(cfg) is ChunkedLossWrapper.Config else cfg
     if type(loss) is not CrossEntropyLoss.Config and not isinstance(cfg, TiledCrossEntropyLoss.Config):
         raise ValueError(

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import tile_pass
+from tile_pass.integrations._head import CompiledHead, backend_from
 
 __all__ = [
     "TiledCrossEntropyLoss",
@@ -89,8 +90,9 @@ class TiledCrossEntropyLoss(torch.nn.Module):
     ``output`` is the model's output projection (``model.output``: an ``nn.Linear`` or a
     ``TiedLinear``); the loss is called as the recipe calls its loss, ``loss(hidden, labels)``,
     with ``hidden`` of shape ``[tokens, dim]`` or ``[batch, seq, dim]`` and labels of the
-    matching shape. ``inner`` defaults to ``$TORCH_COMPILE_BACKEND`` or ``"inductor"``;
-    ``backend_options`` go to :func:`tile_pass.backend`. ``.backend.report()`` (or
+    matching shape. ``inner`` and ``backend_options`` are taken as by every integration
+    (:mod:`tile_pass.integrations._head`); ``inner`` defaults to ``$TORCH_COMPILE_BACKEND`` or
+    ``"inductor"``. ``.backend.report()`` (or
     :func:`report`) says what was rewritten.
     """
 
@@ -98,11 +100,10 @@ class TiledCrossEntropyLoss(torch.nn.Module):
         super().__init__()
         self.output = output
         self.ignore_index = ignore_index
-        if isinstance(inner, tile_pass.Backend):
-            self.backend = inner
-        else:
-            self.backend = tile_pass.backend(inner or _default_inner(), **backend_options)
-        self._compiled = torch.compile(self._head_and_loss, backend=self.backend)
+        self._compiled = CompiledHead(
+            self._head_and_loss, backend_from(inner, backend_options, default=_default_inner())
+        )
+        self.backend = self._compiled.backend
 
     def _head_and_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.output(hidden).float()  # as TransformerDecoder.unembed

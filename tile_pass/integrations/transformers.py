@@ -35,6 +35,7 @@ from tile_pass import _logging_calls
 from tile_pass.dynamo_backend import Backend
 from tile_pass.integrations import _trl_heads
 from tile_pass.integrations._forward import forward_chain, model_of
+from tile_pass.integrations._head import backend_from
 from tile_pass.report import Report
 from tile_pass.rewrite import LEFT_WHOLE
 
@@ -65,12 +66,7 @@ def compile_for_training(
     forward runs (the ``loss_type`` advisory of GPT-2-style models would split head and loss);
     the model is left as it is.
     """
-    if isinstance(inner, Backend):
-        if backend_options:
-            raise ValueError("pass either a tile_pass.Backend or backend options, not both")
-        backend = inner
-    else:
-        backend = tile_pass.backend(inner, **backend_options)
+    backend = backend_from(inner, backend_options)
     if backend_of(model) is not None:
         raise ValueError("this model's forward is already compiled with tile_pass")
     current = model.__dict__.get("forward")

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tile_pass.integrations._forward import forward_chain, models_of
+from tile_pass.integrations._head import CompiledHead, backend_from
 from tile_pass.integrations._trl_heads import (
     _is_trl_fused_forward,
     fused_lm_head_hint,
@@ -218,18 +219,6 @@ def _describe(outputs: tuple[str, ...], entropy_grad: bool) -> str:
     return ", ".join(names)
 
 
-def _own_code(func, name: str):
-    """``func`` with a code object of its own: Dynamo keeps its compiled graphs (and counts its
-    recompiles against ``torch._dynamo.config.recompile_limit``) per code object, so each handed
-    module gets its own budget instead of every policy / reference / grad-mode / shape variant
-    sharing one."""
-    renamed = {"co_name": name, **({"co_qualname": name} if hasattr(func.__code__, "co_qualname") else {})}
-    code = func.__code__.replace(**renamed)
-    own = types.FunctionType(code, func.__globals__, name, func.__defaults__, func.__closure__)
-    own.__qualname__ = name
-    return own
-
-
 def _tiled_forward(module, fused, backend, entropy_grad: bool, name: str):
     """The forward that replaces TRL's ``fused`` on ``module``, as a bound method."""
     from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
@@ -237,7 +226,7 @@ def _tiled_forward(module, fused, backend, entropy_grad: bool, name: str):
     settings = _trl_settings(fused)
     original = settings["original_forward"]
     program, outputs = _head_program(settings, entropy_grad)
-    compiled = torch.compile(_own_code(program, name), backend=backend)
+    compiled = CompiledHead(program, backend, name)
 
     @functools.wraps(type(module).forward)  # generate() checks its kwargs against this signature
     def forward(
@@ -270,8 +259,6 @@ def _entropy_needs_grad(trainer) -> bool:
 
 
 def _resolve_backend(trainer, inner, backend_options):
-    import tile_pass
-    from tile_pass.dynamo_backend import Backend
     from tile_pass.integrations.transformers import backend_of
 
     found = backend_of(trainer)
@@ -282,11 +269,7 @@ def _resolve_backend(trainer, inner, backend_options):
                 "backend is used for TRL's head too; pass no inner or backend options"
             )
         return found
-    if isinstance(inner, Backend):
-        if backend_options:
-            raise ValueError("pass either a tile_pass.Backend or backend options, not both")
-        return inner
-    return tile_pass.backend("inductor" if inner is None else inner, **backend_options)
+    return backend_from(inner, backend_options)
 
 
 def _rewrap_for_accelerate(trainer, module, forward) -> None:
@@ -389,8 +372,9 @@ def hand_head_to_tile_pass(trainer, inner: Any = None, **backend_options: Any):
 
     Call it after building the trainer and before ``trainer.train()``. The backend is the one
     :func:`tile_pass.integrations.transformers.compile_for_training` compiled the model's forward
-    with, if it ran before the trainer was built; else ``tile_pass.backend(inner, **backend_options)``
-    (``inner`` defaults to ``"inductor"``; a ready :class:`tile_pass.Backend` is used as is).
+    with, if it ran before the trainer was built; else the one ``inner`` and ``backend_options`` ask
+    for, as every integration takes them (:mod:`tile_pass.integrations._head`; ``inner`` defaults
+    to ``"inductor"``; a ready :class:`tile_pass.Backend` is used as is).
 
     * ``SFTTrainer``: puts back the ``forward`` TRL's ``add_fused_lm_head`` replaced and makes
       ``trainer.compute_loss`` the model's own loss, as ``transformers.Trainer`` computes it

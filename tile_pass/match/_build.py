@@ -8,7 +8,6 @@ from tile_pass.match._fx import NoMatch, as_linear, val
 from tile_pass.match._matcher import RegionMatcher
 from tile_pass.match._records import RegionOutput, RowRegion
 from tile_pass.match._scalar_loss import ScalarLoss
-from tile_pass.match._selections import index_text
 from tile_pass.match._sharding import shard_program_steps
 from tile_pass.program import _region
 from tile_pass.program._region import Layout, Output, ReductionProgram, RowProgram
@@ -17,7 +16,7 @@ from tile_pass.program._region import Layout, Output, ReductionProgram, RowProgr
 def build_region(matcher: RegionMatcher, outputs: list[RegionOutput], loss: ScalarLoss | None) -> RowRegion:
     """The program of the walked region ``matcher`` with ``outputs`` (and ``loss`` joined to the
     op, if found), registered, and the region's record."""
-    steps_text = _steps_text(matcher)
+    steps_text = _steps_text(matcher, outputs)
     program = _region.register(_program(matcher, outputs, loss, " -> ".join(steps_text)))
     return RowRegion(
         projection=matcher.projection, hidden=matcher.hidden, weight=matcher.weight, bias=matcher.bias,
@@ -27,11 +26,12 @@ def build_region(matcher: RegionMatcher, outputs: list[RegionOutput], loss: Scal
         reduction_nodes=loss.nodes if loss else [], sink=loss.sink if loss else None,
         reduce_inputs=loss.inputs if loss else [], steps_text=steps_text,
         dropped=matcher.dropped, kept_whole=matcher.kept_whole, slices=matcher.slices,
+        left_to_graph=[n for n in matcher.graph.nodes if n in matcher.left_to_graph],
         num_tokens=matcher.num_tokens,
     )  # fmt: skip
 
 
-def _steps_text(matcher: RegionMatcher) -> list[str]:
+def _steps_text(matcher: RegionMatcher, outputs: list[RegionOutput]) -> list[str]:
     """The region's steps as the report shows them: the head, each step (another head's logits
     by its number), the token slices where they were taken, the row selections."""
     steps_text = [matcher.head_form if matcher.autocast_dtype is None
@@ -45,8 +45,12 @@ def _steps_text(matcher: RegionMatcher) -> list[str]:
             shown = (f"head {head_number[value.index]} ({as_linear(partner_of[value.index])[4]}, "
                      f"{value.step.source}, {'trained' if trained else 'no gradient'})")  # fmt: skip
         steps_text += ["slice tokens"] * matcher.slice_steps.count(value.index) + [shown]
-    if matcher.selections:
-        steps_text.append(f"row selections {', '.join(index_text(i) for i, _ in matcher.selections)}")
+    # the selections the tiles' operands and outputs are read with (not the views between them)
+    read = dict.fromkeys(
+        x.subset.describe() for x in (*matcher.token_inputs, *outputs) if x.subset is not None
+    )
+    if read:
+        steps_text.append(f"row selections {', '.join(read)}")
     return steps_text
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Hashable
 
 import torch
@@ -11,7 +12,19 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from tile_pass.program._region import target_name
-from tile_pass.report import source_line
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n\s*(?P<code>.*)')
+
+
+def source_line(node) -> str:
+    """``file:line (function): code`` of the user frame that produced ``node``, or ``?``."""
+    trace = node.meta.get("stack_trace") if node is not None else None
+    frames = list(_FRAME.finditer(trace or ""))
+    if not frames:
+        return "?"
+    last = frames[-1]
+    path = last["file"].rsplit("/", 1)[-1]
+    return f"{path}:{last['line']} ({last['func']}): {last['code'].strip()}"
 
 
 class NoMatch(Exception):
@@ -189,3 +202,44 @@ def leading_index(node: torch.fx.Node, ndim: int) -> tuple | None:
     if len(explicit) != ndim or explicit[-1] != slice(None):
         return None
     return explicit
+
+
+def permutation(node: torch.fx.Node, ndim: int) -> list[int] | None:
+    """The dims order ``x.permute(order)`` of a ``transpose``/``swapaxes``/``permute``/``movedim``
+    node of an ``ndim``-d tensor, as constants; None when they are not plain ints."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    args = list(node.args[1:])
+    if name in ("transpose", "swapaxes", "swapdims"):
+        dims = [
+            node.kwargs.get(k, args[i] if i < len(args) else None) for i, k in enumerate(("dim0", "dim1"))
+        ]
+        if not all(isinstance(d, int) for d in dims):
+            return None
+        order = list(range(ndim))
+        a, b = (d % ndim for d in dims)
+        order[a], order[b] = order[b], order[a]
+        return order
+    if name == "permute":
+        dims = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+        dims = node.kwargs.get("dims", dims)
+        if len(dims) != ndim or not all(isinstance(d, int) for d in dims):
+            return None
+        return [d % ndim for d in dims]
+    if name in ("movedim", "moveaxis"):
+        source = node.kwargs.get("source", args[0] if args else None)
+        destination = node.kwargs.get("destination", args[1] if len(args) > 1 else None)
+        source = [source] if isinstance(source, int) else list(source or ())
+        destination = [destination] if isinstance(destination, int) else list(destination or ())
+        if len(source) != len(destination) or not all(isinstance(d, int) for d in source + destination):
+            return None
+        return _moved(ndim, source, destination)
+    return None
+
+
+def _moved(ndim: int, source: list[int], destination: list[int]) -> list[int]:
+    source, destination = [d % ndim for d in source], [d % ndim for d in destination]
+    rest = iter(d for d in range(ndim) if d not in source)
+    order = [None] * ndim
+    for s, d in zip(source, destination, strict=True):
+        order[d] = s
+    return [o if o is not None else next(rest) for o in order]

@@ -5,18 +5,56 @@ a constant), a step joining the program."""
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import replace
 
 import torch
 import torch.fx
 
 from tile_pass.match import _fx, _rules
-from tile_pass.match._fx import NoMatch, same, same_shape, val
-from tile_pass.match._records import ProgramValue, RegionValue, RowInput, TokenInput
+from tile_pass.match._fx import NoMatch, same, same_shape, source_line, val
+from tile_pass.match._op_facts import spelling
+from tile_pass.match._records import ProgramValue, RegionValue, RowInput, SliceMode, TokenInput
 from tile_pass.match._rules import PREVIOUS_STEP, Classified, RuleKind, Shape
 from tile_pass.program import _region
-from tile_pass.program._region import Layout, Ref, RefKind, Step
-from tile_pass.report import source_line
+from tile_pass.program._region import Layout, Ref, RefKind, Step, target_name
+from tile_pass.program._row_selection import RowSelection
+
+#: readers that have no rule for a reason the user can act on, and what to do
+_CUSTOM_FUNCTION = (
+    " (a custom autograd.Function: its backward is its author's, and tile_pass never replaces a "
+    "backward by a derived one); fix: where its backward is the derivative of its forward, call the "
+    "forward's torch ops directly so the gradient is derived, or apply it outside the compiled function"
+)
+_ORDERS_THE_ROW = (
+    " (a top-k / top-p filter orders each token's whole vocabulary row, which no tile does); fix: a "
+    "filter that only repeats the sampler's is skipped when sampling without top-k / top-p (NeMo-RL: "
+    "top_k None, top_p 1.0), and the step is then tiled"
+)
+_NO_RULE_FIXES = {
+    "autograd_function_apply": _CUSTOM_FUNCTION,
+    **dict.fromkeys(("topk", "sort", "argsort", "kthvalue", "msort"), _ORDERS_THE_ROW),
+}
+
+
+def writes_in_place(node: torch.fx.Node) -> bool:
+    """``x[a:b] = v``, ``x.copy_(v)``: a write into the memory of the node's first argument."""
+    if (
+        node.op not in ("call_function", "call_method")
+        or not node.args
+        or not isinstance(node.args[0], torch.fx.Node)
+    ):
+        return False
+    spelled = spelling(node.target)
+    return node.target is operator.setitem or (spelled is not None and spelled.inplace)
+
+
+def memory(node: torch.fx.Node) -> int | None:
+    """The memory a node's value lives in, from Dynamo's example value (views share it)."""
+    try:
+        return val(node).untyped_storage()._cdata
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
 
 
 class RegionMatcher:
@@ -26,13 +64,13 @@ class RegionMatcher:
 
     def __init__(
         self, graph: torch.fx.Graph, projection: torch.fx.Node, linear, autocast_states, drop_rows: bool,
-        select_rows: bool = False, excluded=(), shard: tuple[str, int, int] | None = None,
+        slice_mode: SliceMode = SliceMode.MOVED, excluded=(), shard: tuple[str, int, int] | None = None,
     ):  # fmt: skip
         self.graph, self.projection, self.autocast_states = graph, projection, autocast_states
         self.hidden, self.weight, self.bias, self.transpose, self.head_form = linear
         self.bias_added = False  # the bias is an add after the matmul (bias_after), not F.linear's
         self.drop_rows = drop_rows
-        self.select_rows = select_rows  # the second pass: row selections stay selections of the tiles' rows
+        self.slice_mode = slice_mode
         self.excluded = set(excluded)  # partner heads whose logits no region value combines
         hidden_val, weight_val, out_val = val(self.hidden), val(self.weight), val(projection)
         if hidden_val is None or weight_val is None or out_val is None or weight_val.dim() != 2:
@@ -66,10 +104,14 @@ class RegionMatcher:
         #: other heads' projections whose tiles the region computes -> their transpose, if only theirs
         self.partners: dict[torch.fx.Node, torch.fx.Node | None] = {}
         self.partner_inputs: list = []  # the partner heads' hidden states, weights and biases
-        self.selections: list[tuple[tuple, tuple]] = []  # (index, the selected token dims)
+        self.selections: list[tuple[RowSelection, tuple]] = []  # (the rows, their token dims)
         self.selection: int | None = None  # the selection of the node being classified
         self.saw_selection = False  # a chunk/split/narrow of the rows: the second pass may take it
         self.depends: set[torch.fx.Node] = {projection}  # the nodes computed from the logits
+        #: memory -> the first in-place write of values computed from the logits into it
+        self.written: dict[int, torch.fx.Node] = {}
+        self.left_to_graph: set[torch.fx.Node] = set()  # returned views of returned rows (collect_outputs)
+        self.last_added = 0  # the program value the last step added (or found) is
 
     def _autocast_dtype(self, hidden_val, weight_val, out_val) -> torch.dtype | None:
         """The autocast dtype the projection runs in (``None``: its inputs' own)."""
@@ -127,6 +169,11 @@ class RegionMatcher:
             return self.value_ref(arg)
         if arg in self.depends:
             raise NoMatch("{} combines the logits with {}, which is not row-wise", node, arg)
+        writer = self.written.get(memory(arg)) if memory(arg) is not None else None
+        if writer is not None:  # a buffer the region's own values were written into (chunk by chunk)
+            raise NoMatch(
+                "{} reads {}, which {} wrote values computed from the logits into", node, arg, writer
+            )
         value = arg.meta.get("example_value", arg.meta.get("val"))
         if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             raise NoMatch("{} uses a dynamic scalar; keep it a Python constant", node)
@@ -183,7 +230,7 @@ class RegionMatcher:
                           "the slice drops", node, before[0])  # fmt: skip
         rule = _rules.rule_for(node)
         if rule is None:
-            raise NoMatch("{} has no row-wise rule", node)
+            raise NoMatch("{} has no row-wise rule{}", node, _NO_RULE_FIXES.get(target_name(node.target), ""))
         return rule.classify(self, node)
 
     # ---------------------------------------------------------------- the program
@@ -204,18 +251,37 @@ class RegionMatcher:
         self.add(node, Classified(step, record.shape), RuleKind.ELEMENTWISE, record.selection)
 
     def add(self, node: torch.fx.Node, entry: Classified, kind: RuleKind | None = None, selection=None):
-        """A step of ``node`` joins the program; its readers see its value (reduced, if it is)."""
-        index, step = len(self.program), entry.step
+        """A step of ``node`` joins the program; its readers see its value (reduced, if it is). On a
+        selection of the rows, a step the program already has (the same op on the same values: each
+        chunk of a chunked loop) is not repeated: the tiles compute it once for every row."""
+        step = entry.step
         if step.args and step.args[0] == PREVIOUS_STEP:
-            step = replace(step, args=(Ref(RefKind.VALUE, index - 1), *step.args[1:]))
-        # a per-token input that is differentiated is no zero condition: d(mask * x)/d mask is x
-        per_token = frozenset(
-            i for i, t in enumerate(self.token_inputs)
-            if t.part in ((), (1,)) and not getattr(val(t.node), "requires_grad", False)
-        )  # fmt: skip
-        zeros = _region.zero_where(step, dict(enumerate(v.zeros for v in self.program)), per_token)
-        value = ProgramValue(index, step, entry.shape, kind or _rules.rule_for(node).kind, zeros)
-        self.program.append(value)
+            step = replace(step, args=(Ref(RefKind.VALUE, self.last_added), *step.args[1:]))
+        kind = kind or _rules.rule_for(node).kind
+        value = None if selection is None else self._known(step, entry.shape, kind)
+        if value is None:
+            # a per-token input that is differentiated is no zero condition: d(mask * x)/d mask is x
+            per_token = frozenset(
+                i for i, t in enumerate(self.token_inputs)
+                if t.part in ((), (1,)) and not getattr(val(t.node), "requires_grad", False)
+            )  # fmt: skip
+            zeros = _region.zero_where(step, dict(enumerate(v.zeros for v in self.program)), per_token)
+            value = ProgramValue(len(self.program), step, entry.shape, kind, zeros)
+            self.program.append(value)
+        self.last_added = value.index
         after = entry.after_tiles
         shape = entry.shape if after is None else Shape(Layout.REDUCED, entry.shape.tokens)
         self.join(node, value, shape, selection=selection, after_tiles=after)
+
+    def _known(self, step: Step, shape: Shape, kind: RuleKind) -> ProgramValue | None:
+        """A program value computed by the same step (the same op on the same values; its own
+        line aside) in the same layout: a tile's value (each node keeps its own token dims)."""
+        for value in self.program[1:]:
+            if value.kind is not kind or (value.shape.layout, value.shape.item) != (shape.layout, shape.item):
+                continue
+            try:
+                if replace(value.step, source=step.source) == step:
+                    return value
+            except RuntimeError:  # a tensor constant among the arguments: not compared
+                continue
+        return None

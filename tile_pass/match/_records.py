@@ -3,6 +3,7 @@ the matched region the splice reads (named fields, no positions)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,15 @@ from tile_pass.match._op_facts import RuleKind
 from tile_pass.match._rules import AfterTiles, Shape
 from tile_pass.program import _region
 from tile_pass.program._region import Layout, RowProgram, Step
+from tile_pass.program._row_selection import RowSelection
+
+
+class SliceMode(enum.Enum):
+    """How a matching pass takes the slices of the logits' token rows."""
+
+    MOVED = "every token slice moves onto the hidden states (the tiles run only its rows)"
+    FIRST_MOVED = "the first token slice moves onto the hidden states, later ones select its rows"
+    SELECTED = "every slice is a selection of the tiles' rows (the tiles run every row)"
 
 
 @dataclass(frozen=True)
@@ -62,9 +72,9 @@ class TokenInput:
     node: torch.fx.Node
     part: tuple  # its shape after the token dims: (), (1,) or (V,)
     flat_tokens: bool  # its site's token dims are the flattened [N] (else the hidden states')
-    #: read with a selection of the token rows (``logits[:B]``): the selection's index over the
-    #: hidden states' token dims; the input covers those rows only and is spread over all of them
-    subset: tuple | None = None
+    #: read with a selection of the token rows (``logits[:B]``): the input covers those rows only
+    #: and is spread over all of them
+    subset: RowSelection | None = None
     #: the region differentiates it (it requires grad where a node that needs a gradient reads it)
     differentiable: bool = False
 
@@ -88,7 +98,7 @@ class RegionOutput:
     differentiable: bool
     after_tiles: AfterTiles | None = None  # the token reduction left to do
     flat_tokens: bool = False  # its token dims are the flattened [N] (else the hidden states')
-    subset: tuple | None = None  # computed on a selection of the token rows: its index
+    subset: RowSelection | None = None  # computed on a selection of the token rows
 
 
 @dataclass
@@ -111,6 +121,8 @@ class RowRegion:
     steps_text: list[str] = field(default_factory=list)
     dropped: list[torch.fx.Node] = field(default_factory=list)  # returned rows replaced by a placeholder
     kept_whole: list[torch.fx.Node] = field(default_factory=list)  # returned rows before a token slice
+    #: the graph's views of returned rows that only the graph's output reads (``logits[:, 0]``)
+    left_to_graph: list[torch.fx.Node] = field(default_factory=list)
     slices: list[tuple] = field(default_factory=list)  # token selections applied to the hidden states
     num_tokens: object = 0  # the tokens the tiles run (after the slices)
 

@@ -38,7 +38,7 @@ from tile_pass.match._build import build_region
 from tile_pass.match._fx import NoMatch, as_linear, projection_of
 from tile_pass.match._matcher import RegionMatcher
 from tile_pass.match._partners import unused_partners
-from tile_pass.match._records import RowRegion
+from tile_pass.match._records import RowRegion, SliceMode
 from tile_pass.match._scalar_loss import scalar_loss
 from tile_pass.match._sharding import head_shard
 from tile_pass.match._walk import collect_outputs, walk
@@ -76,21 +76,34 @@ def match_row_region(
         why.depends = matcher.depends  # the skip replaces the reports of the losses it holds
         if not matcher.slices and not matcher.saw_selection:
             raise
-        # a token slice read beside all rows (DPO's NLL on the chosen half): the second pass keeps
-        # every slice a selection of the tiles' rows; if that fails too, the first reason stands
+        return _select_rows(graph, projection, linear, states, drop_rows, why, bool(matcher.slices))
+
+
+def _select_rows(
+    graph, projection, linear, states, drop_rows, why: NoMatch, sliced: bool
+) -> RowRegion | None:
+    """The passes after the first, when it stopped on a slice or a selection of the logits' rows: a
+    token slice read beside all rows (DPO's NLL on the chosen half), slices of a slice, chunks of
+    regrouped rows. They keep the later slices (then every slice) selections of the tiles' rows;
+    if none of them tiles, the reason of the pass that got furthest through the graph stands."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    shown = why
+    for mode in (SliceMode.FIRST_MOVED, SliceMode.SELECTED) if sliced else (SliceMode.SELECTED,):
         try:
-            return _build_region(_walked(graph, projection, linear, states, drop_rows, select_rows=True))
-        except NoMatch as second:
-            log.debug("the second matching pass (row selections) stopped too: %s", second)
-            raise why from None
+            return _build_region(_walked(graph, projection, linear, states, drop_rows, mode))
+        except NoMatch as other:
+            log.debug("the matching pass with %s stopped too: %s", mode.value, other)
+            if order.get(other.node, -1) > order.get(shown.node, -1):
+                other.depends, shown = why.depends, other
+    raise shown from None
 
 
-def _walked(graph, projection, linear, states, drop_rows, select_rows=False) -> RegionMatcher:
+def _walked(graph, projection, linear, states, drop_rows, slice_mode=SliceMode.MOVED) -> RegionMatcher:
     """A matcher after the walk; walked again without the partner heads it did not combine with."""
     excluded: set[torch.fx.Node] = set()
     shard = head_shard(linear[0], linear[1], projection)
     while True:
-        matcher = RegionMatcher(graph, projection, linear, states, drop_rows, select_rows, excluded, shard)
+        matcher = RegionMatcher(graph, projection, linear, states, drop_rows, slice_mode, excluded, shard)
         walk(matcher)
         unused = unused_partners(matcher)
         if not unused:

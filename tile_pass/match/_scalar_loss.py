@@ -5,7 +5,6 @@ need no gradient), those nodes join the op, which then forms the whole gradient 
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +16,7 @@ from tile_pass.match._matcher import RegionMatcher
 from tile_pass.match._op_facts import FACTS, Linear, spelling
 from tile_pass.match._records import RegionOutput
 from tile_pass.program._region import Layout, Ref, RefKind, Step, target_name
+from tile_pass.program._row_selection import selected_tokens
 from tile_pass.program._token_layout import after_tiles, restore, select
 
 
@@ -163,7 +163,7 @@ def _restored(
     steps, rows, hidden = [], Ref(RefKind.REDUCE, 0), Ref(RefKind.REDUCE, 0)
     if out.subset is not None:
         steps.append(matcher.step(out.node, select, (read, hidden, out.subset)))
-        steps.append(matcher.step(out.node, operator.getitem, (hidden, out.subset)))
+        steps.append(matcher.step(out.node, selected_tokens, (hidden, out.subset)))
         read, rows = Ref(RefKind.VALUE, first), Ref(RefKind.VALUE, first + 1)
     if out.after_tiles is None:
         return [*steps, matcher.step(out.node, restore, (read, rows, out.flat_tokens))]

@@ -7,11 +7,12 @@ import torch
 import torch.fx
 
 from tile_pass.match._fx import NoMatch, as_linear, describe, same, val
-from tile_pass.match._matcher import RegionMatcher
+from tile_pass.match._matcher import RegionMatcher, memory, writes_in_place
 from tile_pass.match._op_facts import facts_for
 from tile_pass.match._partners import add_partner, partner_projections
 from tile_pass.match._records import RegionOutput
-from tile_pass.match._selections import row_selection, selection_read, token_slice
+from tile_pass.match._rules import Shape
+from tile_pass.match._selections import leave_returned_selections, row_selection, selection_read, token_slice
 from tile_pass.match._sharding import no_op_redistribute
 from tile_pass.program._region import Layout
 
@@ -77,6 +78,8 @@ def walk(matcher: RegionMatcher) -> None:
         if node is matcher.projection or not any(a in matcher.depends for a in node.all_input_nodes):
             continue
         matcher.depends.add(node)
+        if writes_in_place(node) and memory(node.args[0]) is not None:  # a buffer given the logits' values
+            matcher.written.setdefault(memory(node.args[0]), node)
         if any(a in cone for a in node.all_input_nodes) and not _projection_like(node):
             cone.add(node)
             # a loss-like op reading the logits, however far: this projection is a head
@@ -112,6 +115,7 @@ def collect_outputs(matcher: RegionMatcher) -> list[RegionOutput] | None:
     """The region values read outside the region; None if it holds no head."""
     if not matcher.head_signs:
         return None
+    leave_returned_selections(matcher)
     outputs = []
     for node, record in matcher.values.items():
         users = [u for u in node.users if u not in matcher.values]
@@ -120,13 +124,20 @@ def collect_outputs(matcher: RegionMatcher) -> list[RegionOutput] | None:
         index, shape = record.value.index, record.shape
         if record.after_tiles is not None:  # the output is the tiles' per-token value
             grad = bool(val(node).requires_grad)
-            outputs.append(RegionOutput(node, index, record.value.shape, grad, record.after_tiles))
+            shape = Shape(record.value.shape.layout, record.shape.tokens)  # its own token dims
+            outputs.append(RegionOutput(node, index, shape, grad, record.after_tiles))
             continue
         if shape.layout is Layout.TUPLE:
             raise NoMatch("{} is used whole; take its values and indices apart first", node)
         if shape.layout is Layout.ROWS and record.selection is not None:
+            user = next((u for u in users if u.op != "output"), users[0])
+            why = matcher.outside.get(user)
+            if why is not None:  # the reader's own reason (values of two selections combined)
+                detail = str(why).removeprefix(describe(user)).strip(" ,:")
+                raise NoMatch("{} (rows of a selection of the logits) is also consumed by {}, which {}; so "
+                              "those rows must exist whole", node, user, detail, node=user)  # fmt: skip
             raise NoMatch("{} selects token rows that {} reads as [tokens, V] rows, so they must exist "
-                          "whole", node, users[0], node=users[0])  # fmt: skip
+                          "whole", node, user, node=user)  # fmt: skip
         if shape.layout is Layout.ROWS:
             if matcher.before_slice(node):  # before the token slice: returned whole, or dropped
                 if all(u.op == "output" for u in users):
@@ -141,7 +152,7 @@ def collect_outputs(matcher: RegionMatcher) -> list[RegionOutput] | None:
             if matcher.drop_rows and all(u.op == "output" for u in users) and not matcher.slices:
                 matcher.dropped.append(node)
                 continue
-            user = next((u for u in users if u.op != "output"), None)
+            user = next((u for u in users if u.op != "output" and u not in matcher.left_to_graph), None)
             if user is not None:  # it must exist whole for a reader that is not the output
                 why = matcher.outside.get(user)
                 detail = str(why).removeprefix(describe(user)).strip(" ,:") if why else "is not row-wise"

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import threading
 from collections.abc import Iterator
 
 import torch
 
 from tile_pass import _settings
+from tile_pass._caches import BoundedCache
 from tile_pass.plan._tiling import TileSize, effective_tile, tile_bytes_per_token
 from tile_pass.plan._weight_grad import WeightGradSchedule, plan
 
@@ -62,13 +62,15 @@ def plan_tiles(
     skipped ones) and a ``[V, H]`` head of ``dtype``: the tile of
     :func:`tile_pass.plan._tiling.effective_tile` on the byte model, and the weight-gradient schedule
     of :func:`tile_pass.plan._weight_grad.plan` (which may grow or shrink the tile)."""
-    return _plan(
-        int(rows), int(batch), size, tuple(weight_shape), dtype, device.type, compiled, need_weight,
-        _settings.current(),
-    )  # fmt: skip
+    key = (int(rows), int(batch), size, tuple(weight_shape), dtype, device.type, compiled, need_weight,
+           _settings.current())  # fmt: skip
+    return _plans.get(key) or _plans.put(key, _plan(*key))
 
 
-@functools.lru_cache(maxsize=4096)
+#: the plans by sizes, dtypes and options (each is a few numbers: a step pays one lookup)
+_plans = BoundedCache("tile plans", 4096)
+
+
 def _plan(rows, batch, size, weight_shape, dtype, device_type, compiled, need_weight, settings) -> TilePlan:
     per_token = tile_bytes_per_token(weight_shape[0], dtype, dtype != torch.float32, compiled)
     tile = effective_tile(rows, size, per_token if device_type == "cpu" else 0)

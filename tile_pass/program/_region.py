@@ -22,13 +22,13 @@ import enum
 import functools
 import hashlib
 import operator
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from tile_pass._caches import BoundedCache
 from tile_pass.match._op_facts import RuleKind, facts_for
 
 
@@ -147,7 +147,8 @@ class ZeroIf(Zeros):
 
     def tokens(self, token_inputs) -> tuple[torch.Tensor, bool]:
         t = token_inputs[self.token]
-        t = t.reshape(t.shape[0], -1)[:, 0]
+        if t.dim() != 1:
+            t = t.reshape(t.shape[0], -1)[:, 0]
         if self.kind is ZeroKind.EQUALS:
             return t == self.value, self.exact
         if self.kind is ZeroKind.ZERO:
@@ -248,27 +249,27 @@ def _resolve(arg, env: dict):
     if isinstance(arg, Ref):
         return env[arg]
     if isinstance(arg, (tuple, list)):
-        return type(arg)(_resolve(a, env) for a in arg)
+        resolved = (_resolve(a, env) for a in arg)
+        return (
+            type(arg)(*resolved) if hasattr(arg, "_fields") else type(arg)(resolved)
+        )  # a named tuple's fields
     return arg
 
 
 def _autocast(state: tuple[str, torch.dtype] | None, device_type: str):
-    """The autocast state a step ran under, or autocast off (tiles run outside it)."""
-    if state is None:
-        return (
-            torch.autocast(device_type, enabled=False)
-            if _autocast_known(device_type)
-            else contextlib.nullcontext()
-        )
-    return torch.autocast(state[0], dtype=state[1])
-
-
-def _autocast_known(device_type: str) -> bool:
+    """The autocast state a step ran under, or autocast off (tiles run outside it). Where it is
+    off already no context is entered: the reduction runs each call, and entering one costs
+    about as much as a small op."""
+    if state is not None:
+        return torch.autocast(state[0], dtype=state[1])
     try:
-        torch.is_autocast_enabled(device_type)
-    except RuntimeError:
-        return False
-    return True
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know
+        return _NO_CONTEXT
+    return torch.autocast(device_type, enabled=False) if enabled else _NO_CONTEXT
+
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def run_steps(steps, env: dict, first_value: int, device_type: str) -> dict:
@@ -337,8 +338,11 @@ _CALLER_KEYS = (
 
 # ------------------------------------------------------------------------------ registry
 
-_programs: dict[str, RowProgram] = {}
-_lock = threading.Lock()
+#: Programs kept at once beyond those a compiled graph holds: a program is found by its key as
+#: long as a graph that calls it is alive (it holds the program, see :func:`hold`), so only a
+#: program no live graph calls can be evicted, and the first of its region's calls is far behind.
+PROGRAM_CACHE_SIZE = 1024
+_programs = BoundedCache("row programs", PROGRAM_CACHE_SIZE, find_while_referenced=True)
 
 
 def _canonical(obj) -> str:
@@ -363,18 +367,18 @@ def _canonical(obj) -> str:
 def register(program: RowProgram) -> RowProgram:
     """Register ``program``; returns it with its key (a hash of its content) filled in."""
     key = "rowprog-" + hashlib.sha256(_canonical(program).encode()).hexdigest()[:24]
-    keyed = RowProgram(**{**program.__dict__, "key": key})
-    with _lock:
-        _programs.setdefault(key, keyed)
-    return _programs[key]
+    return _programs.setdefault(key, RowProgram(**{**program.__dict__, "key": key}))
 
 
 def lookup(key: str) -> RowProgram:
-    try:
+    """The program registered under ``key``."""
+    if key in _programs:  # a plain read first: Dynamo traces it where the functional API is compiled
         return _programs[key]
-    except KeyError:
+    program = _programs.get(key)  # evicted, or still held by a graph
+    if program is None:
         raise RuntimeError(
             f"tile_pass: row program {key!r} is not registered in this process. It is registered when "
             "tile_pass rewrites the graph; a compiled artifact loaded without that rewrite (an AOT "
             "package) cannot run it. Compile with backend='tile_pass' in this process."
-        ) from None
+        )
+    return program

@@ -27,9 +27,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from tile_pass._caches import BoundedCache, on_tracing_thread
 from tile_pass._logging import log
 from tile_pass.program import _region
-from tile_pass.tiles._tile_kernel import _BoundedCache, on_tracing_thread
 
 aten = torch.ops.aten
 
@@ -109,7 +109,7 @@ class _Unknown(Exception):
     """The reduction holds an op the analysis has no rule for."""
 
 
-_cache = _BoundedCache(256)
+_cache = BoundedCache("coupled token groups", 256)
 
 
 def token_groups(

@@ -13,6 +13,7 @@ import math
 import torch
 
 from tile_pass.match._rules import TokenReduction
+from tile_pass.program._row_selection import RowSelection, row_map
 
 
 def after_tiles(flat: torch.Tensor, how: TokenReduction, hidden: torch.Tensor, flat_tokens: bool, *operands):
@@ -45,28 +46,29 @@ def per_token(x: torch.Tensor, hidden: torch.Tensor, flat_tokens: bool, part_dim
     return x.expand(*tokens, *part).reshape(-1, *part)
 
 
-def spread(x: torch.Tensor, hidden: torch.Tensor, flat_tokens: bool, part_dims: int, subset: tuple):
+def spread(
+    x: torch.Tensor, hidden: torch.Tensor, flat_tokens: bool, part_dims: int, selection: RowSelection
+) -> torch.Tensor:
     """A per-token operand of a selection of the token rows (``y[:B]`` beside ``logits[:B]``) as the
-    tiles take it: ``[N, *part]`` over all rows, its own rows at the selection and, elsewhere, a
+    tiles take it: ``[N, *part]`` over all rows, its own rows at the selection's and, elsewhere, a
     copy of its first row (finite wherever the data is; the outputs there are never read and get
     zero tangents, so they add exactly nothing to any gradient)."""
     part = tuple(x.shape[x.dim() - part_dims :]) if part_dims else ()
-    tokens = tuple(hidden.shape[:-1])
-    picked = tuple(hidden[subset].shape[:-1])
-    x = x.expand(*((math.prod(picked),) if flat_tokens else picked), *part).reshape(*picked, *part)
+    rows = row_map(hidden, selection)
+    picked = tuple(rows.shape)
+    x = x.expand(*((math.prod(picked),) if flat_tokens else picked), *part).reshape(-1, *part)
+    count = math.prod(hidden.shape[:-1])
     if x.numel() == 0:
-        full = x.new_zeros((*tokens, *part))
+        full = x.new_zeros((count, *part))
     else:
-        full = x.reshape(-1, *part)[:1].expand(math.prod(tokens), *part).reshape(*tokens, *part).clone()
-    full[subset[:-1]] = x
-    return full.reshape(-1, *part)
+        full = x[:1].expand(count, *part).clone()
+    full[rows.reshape(-1)] = x
+    return full
 
 
-def select(flat: torch.Tensor, hidden: torch.Tensor, subset: tuple) -> torch.Tensor:
-    """The rows of a selection (``subset``, an index over the hidden states' token dims) of a
-    per-token output the tiles computed on all rows, flat."""
-    part = tuple(flat.shape[1:])
-    return flat.view(*hidden.shape[:-1], *part)[subset[:-1]].reshape(-1, *part)
+def select(flat: torch.Tensor, hidden: torch.Tensor, selection: RowSelection) -> torch.Tensor:
+    """The rows of a selection of a per-token output the tiles computed on all rows, flat."""
+    return flat[row_map(hidden, selection).reshape(-1)]
 
 
 def restore(flat: torch.Tensor, hidden: torch.Tensor, flat_tokens: bool) -> torch.Tensor:

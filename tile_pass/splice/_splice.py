@@ -17,11 +17,13 @@ import torch.fx
 
 from tile_pass.match import _rules
 from tile_pass.match._fx import NoMatch, describe, projection_of, val
+from tile_pass.match._matcher import memory, writes_in_place
 from tile_pass.match._op_facts import spelling
 from tile_pass.match._records import RowRegion
 from tile_pass.plan._plan import RegionCall
 from tile_pass.program import _region
 from tile_pass.program._region import Layout, RowProgram
+from tile_pass.program._row_selection import selected_tokens
 from tile_pass.program._token_layout import after_tiles, per_token, restore, select, spread
 from tile_pass.splice._returned_logits import ReturnedLogits
 from tile_pass.tiles.tiled_region import run_region
@@ -146,21 +148,55 @@ def rewrite_row_region(
         _restore_outputs(graph, splice)
     _show_the_loss_line(graph, splice, existing)
     _hand_back_returned_logits(graph, splice, result)
+    _after_the_op(graph, splice)
     _erase(graph, splice)
     return splice
+
+
+def _after_the_op(graph: torch.fx.Graph, splice: Splice) -> None:
+    """The graph's own views of rows the op returns whole (``logits[:, 0]`` returned beside the
+    rows it selects from), which only the graph's output reads, move to just before the output."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for node in splice.region.left_to_graph:
+        output.prepend(node)
 
 
 def _hoist(graph: torch.fx.Graph, splice: Splice, autocast_states) -> None:
     """The op goes before the region's first outside reader; its inputs computed later move up."""
     region = splice.region
     order = {n: i for i, n in enumerate(graph.nodes)}
-    readers = [u for n in splice.members for u in n.users if u not in splice.members]
+    left = set(region.left_to_graph)  # views of returned rows: they move after the op (_after_the_op)
+    readers = [u for n in splice.members for u in n.users if u not in splice.members and u not in left]
     splice.point = min(readers, key=order.__getitem__)
     inputs = [region.hidden, region.weight, region.bias, *[t.node for t in region.token_inputs],
               *[r.node for r in region.row_inputs], *region.reduce_inputs]  # fmt: skip
     torch.fx.node.map_arg(region.slices, inputs.append)  # symbolic slice bounds
+    _read_as_written(graph, inputs, splice, order)
     for node in _to_hoist(graph, inputs, splice.point, autocast_states):
         splice.point.prepend(node)
+
+
+def _read_as_written(graph: torch.fx.Graph, inputs, splice: Splice, order: dict) -> None:
+    """Each input the op reads at its point holds there the value the region's nodes read in
+    eager: no in-place write to its memory (through any name) comes between the point and a
+    reader. A buffer the user's code writes the region's own values into and then reads
+    (``lse[a:b] = logits[a:b].logsumexp(-1)``, then ``picked - lse``) would be read unwritten."""
+    writes: dict[int, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if writes_in_place(node) and memory(node.args[0]) is not None:
+            writes.setdefault(memory(node.args[0]), []).append(order[node])
+    point = order[splice.point] - 0.5  # the op runs just before the point
+    for node in inputs:
+        if not isinstance(node, torch.fx.Node) or memory(node) not in writes:
+            continue
+        for reader in [u for u in node.users if u in splice.members] or [node]:  # where eager reads it
+            low, high = sorted((point, order[reader]))
+            written = [w for w in writes[memory(node)] if low < w < high]
+            if written:
+                raise NoMatch("{} reads {} after {} writes into its memory in place, but the tiled region "
+                              "runs before that write and would read it unwritten; compute it out of place "
+                              "(torch.cat of the pieces) instead", reader, node,
+                              next(n for n in graph.nodes if order[n] == written[0]))  # fmt: skip
 
 
 def _slice_and_cast(graph: torch.fx.Graph, splice: Splice) -> None:
@@ -222,7 +258,7 @@ def _restore_outputs(graph: torch.fx.Graph, splice: Splice) -> None:
         rows = tokens
         if out.subset is not None:
             flat = graph.call_function(select, (flat, tokens, out.subset))
-            rows = graph.call_function(operator.getitem, (tokens, out.subset))
+            rows = graph.call_function(selected_tokens, (tokens, out.subset))
         if out.after_tiles is not None:
             after = out.after_tiles
             value = graph.call_function(

@@ -8,26 +8,13 @@ aten graph, exactly as AOTAutograd derives a joint graph; the post-trace passes
 per :class:`TileKernelKey`. The tracer and the tile loop name the tile's inputs alike
 (:class:`TileInputs`): shapes and dtypes for the one, the tile's tensors for the other.
 
-Two details make that graph usable inside a custom op at run time:
-
-* Tracing happens on a helper thread. A custom op's implementation runs below the
-  autograd dispatch keys, so autograd records nothing there; a fresh thread has the
-  default dispatch state, and tracing only touches fake tensors.
-* Tracing holds Dynamo's compile lock. FX tracing keeps process-global state (the
-  "is tracing" flag and the active patcher); a tile traced at run time in one thread while
-  another thread compiles would interleave that state and leave the flag set, after which
-  every later compile in the process fails with "symbolically trace a dynamo-optimized
-  function". The lock is taken before the cache lock, in the caller's thread.
+The graph is traced on the tracing thread, under Dynamo's compile lock, which is what makes it
+usable inside a custom op at run time (:mod:`tile_pass._caches` says why).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import dataclasses
-import threading
-import weakref
-from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -36,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from tile_pass._caches import BoundedCache, on_tracing_thread, tracing_lock
 from tile_pass.plan._weight_grad import WeightGradSchedule
 
 #: the shape and dtype of a per-token input, without its token dimension
@@ -137,91 +125,26 @@ def trace_fake(fn, inputs, device: torch.device) -> torch.fx.GraphModule:
     return make_fx(flat_fn, tracing_mode="fake")(*examples)
 
 
-#: Set on the tracing thread, whose caller already holds the compile lock for it.
-_tracer_state = threading.local()
-
-
-def _tracing_lock():
-    """Dynamo's compile lock (an ``RLock``): no FX tracing of ours overlaps a compile or
-    another trace in any thread (see the module docstring)."""
-    if getattr(_tracer_state, "caller_holds_lock", False):
-        return contextlib.nullcontext()
-    from torch._dynamo.convert_frame import compile_lock
-
-    return compile_lock
-
-
-_every_cache: weakref.WeakSet = weakref.WeakSet()
-
-
-class _BoundedCache:
-    """A least-recently-used map with at most ``limit`` entries: a long run that meets many
-    shapes (or a notebook that recompiles) keeps only the kernels it still uses."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._entries: OrderedDict = OrderedDict()
-        _every_cache.add(self)  # emptied by clear_caches
-
-    def get(self, key):
-        value = self._entries.get(key)
-        if value is not None:
-            self._entries.move_to_end(key)
-        return value
-
-    def put(self, key, value):
-        self._entries[key] = value
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.limit:
-            self._entries.popitem(last=False)
-        return value
-
-    def __iter__(self):
-        return iter(list(self._entries))
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
 #: Traced tile functions kept at once. A tile function is specialised to one tile size (a
 #: bounded set of sizes per region, see _tiling.padded_rows), dtype and region; 128 covers
 #: dozens of regions.
 TILE_KERNEL_CACHE_SIZE = 128
-_cache = _BoundedCache(TILE_KERNEL_CACHE_SIZE)
+_cache = BoundedCache("tile functions", TILE_KERNEL_CACHE_SIZE)
 #: :func:`inductor_once`'s kernels by name and layout.
-_compiled_adds = _BoundedCache(64)
-_cache_lock = threading.Lock()
-#: the tracing thread (started by the first trace: an executor starts its threads on submit)
-_tracer = concurrent.futures.ThreadPoolExecutor(1, "tile_pass_tracer")
+_compiled_adds = BoundedCache("compiled plane kernels", 64)
 
 
 def traced_once(key, trace):
-    """``trace(key)``, run once per process on the tracing thread (see the module docstring)
-    and kept in the bounded cache of tile functions."""
-    with _cache_lock:
-        kernel = _cache.get(key)
+    """``trace(key)``, run once per process on the tracing thread (see
+    :mod:`tile_pass._caches`) and kept in the bounded cache of tile functions."""
+    kernel = _cache.get(key)
     if kernel is not None:
         return kernel
-    with _tracing_lock(), _cache_lock:
+    with tracing_lock():
         kernel = _cache.get(key)
         if kernel is None:
-            kernel = _cache.put(key, _tracer.submit(_on_tracing_thread, trace, key).result())
+            kernel = _cache.put(key, on_tracing_thread(lambda: trace(key)))
     return kernel
-
-
-def _on_tracing_thread(trace, key):
-    _tracer_state.caller_holds_lock = True
-    return trace(key)
-
-
-def on_tracing_thread(trace):
-    """``trace()`` on the tracing thread, under the compile lock, uncached: for traces that are
-    not tile functions (tile_pass.program._token_weights)."""
-    with _tracing_lock():
-        return _tracer.submit(_on_tracing_thread, lambda _: trace(), None).result()
 
 
 def inductor_once(name: str, fn, examples) -> object:
@@ -233,7 +156,7 @@ def inductor_once(name: str, fn, examples) -> object:
     if compiled is None:
         from torch._inductor.compile_fx import compile_fx
 
-        with _tracing_lock():
+        with tracing_lock():
             compiled = _compiled_adds.get(layout)
             if compiled is None:
                 scratch = [
@@ -243,11 +166,3 @@ def inductor_once(name: str, fn, examples) -> object:
                 with torch.no_grad():
                     compiled = _compiled_adds.put(layout, compile_fx(traced, scratch))
     return compiled
-
-
-def clear_caches() -> None:
-    """Drop every traced tile function, compiled accumulation kernel and derived token-weight
-    graph (they are rebuilt on next use); ``torch._dynamo.reset()`` does not reach them."""
-    with _cache_lock:
-        for cache in list(_every_cache):
-            cache.clear()

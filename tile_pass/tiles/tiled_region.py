@@ -29,14 +29,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import torch
 
-from tile_pass import _distributed
+from tile_pass import _distributed, _settings
+from tile_pass._caches import BoundedCache
 from tile_pass._logging import log
 from tile_pass.plan import _plan
-from tile_pass.plan._plan import RegionCall, plan_tiles
+from tile_pass.plan._plan import RegionCall, TilePlan, plan_tiles
 from tile_pass.plan._tiling import TileSize, effective_tile
 from tile_pass.plan._weight_grad import WeightGradSchedule
 from tile_pass.program import _region
@@ -48,6 +50,7 @@ from tile_pass.tiles._coupled_tiles import CoupledTiles, coupled_tiles, position
 from tile_pass.tiles._higher_order import anchors, refuse_higher_order, scaled_by_upstream
 from tile_pass.tiles._summary_tiles import accumulation_pays, refusal, summary_tiles
 from tile_pass.tiles._tile_kernel import (
+    TILE_KERNEL_CACHE_SIZE,
     TensorSpec,
     TileInputs,
     TileKernelKey,
@@ -184,12 +187,72 @@ def _check_indices(program: RowProgram, token_inputs: list[torch.Tensor]) -> Non
         if index.device.type != "cpu" or index.numel() == 0:
             continue
         vocab_size = program.shard[2] if program.shard is not None else program.vocab_size
+        if _in_vocabulary(index, vocab_size, ignore_index):
+            continue
         bad = (index < 0) | (index >= vocab_size)
         if ignore_index is not None:
             bad &= index != ignore_index
         if bad.any():
             error = IndexError if message.startswith("Target") else RuntimeError
             raise error(message.format(int(index[bad][0])))
+
+
+def _in_vocabulary(index: torch.Tensor, vocab_size: int, ignore_index: int | None) -> bool:
+    """Whether every index is in ``[0, vocab_size)`` or is ``ignore_index``: the smallest and
+    largest index, the ignored ones counted as 0 (three small ops each call, where finding the
+    bad ones takes five; those are found only when this says there are some)."""
+    if vocab_size == 0 or index.dtype not in _INDEX_DTYPES:
+        return False
+    if ignore_index is not None:
+        index = index.masked_fill(index == ignore_index, 0)
+    low, high = torch.aminmax(index)
+    return int(low) >= 0 and int(high) < vocab_size
+
+
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _zero_weight(weight: torch.Tensor, num_tokens: int) -> torch.Tensor | bool:
+    """Per token, whether its token weight is zero over its whole row part (see _uniform)."""
+    value = _uniform(weight)
+    if value is not None:
+        return value == 0
+    return weight == 0 if weight.dim() == 1 else (weight.reshape(num_tokens, -1) == 0).all(-1)
+
+
+def _finite_weight(weight: torch.Tensor, num_tokens: int) -> torch.Tensor | bool:
+    """Per token, whether its token weight is finite over its whole row part (see _uniform)."""
+    value = _uniform(weight)
+    if value is not None:
+        return math.isfinite(value)
+    flags = torch.isfinite(weight if weight.dim() == 1 else weight.reshape(num_tokens, -1))
+    return flags if weight.dim() == 1 else flags.all(-1)
+
+
+def _uniform(weight: torch.Tensor) -> float | None:
+    """The one value of a weight broadcast to every token (a mean's ``1 / count``), else ``None``:
+    a flag of it then stands for every token, one element read instead of a pass over them."""
+    if weight.numel() and not any(weight.stride()):
+        return weight.as_strided((), ()).item()
+    return None
+
+
+def _either(a: torch.Tensor | bool, b: torch.Tensor | bool) -> torch.Tensor | bool:
+    """``a | b`` of per-token flags, where a ``bool`` stands for every token (no op for one)."""
+    if a is False or b is True:
+        return b
+    if b is False or a is True:
+        return a
+    return a | b
+
+
+def _both(a: torch.Tensor | bool, b: torch.Tensor | bool) -> torch.Tensor | bool:
+    """``a & b`` of per-token flags, as :func:`_either`."""
+    if a is True or b is False:
+        return b
+    if b is True or a is False:
+        return a
+    return a & b
 
 
 def _skipped_rows(program: RowProgram, token_inputs, hidden, weights: dict | None, values: bool):
@@ -215,14 +278,16 @@ def _skipped_rows(program: RowProgram, token_inputs, hidden, weights: dict | Non
             here, exact_here = out.zeros.tokens(token_inputs)
             exact = exact and exact_here
         if weights is not None and index in weights and (out.only_loss or not values):
-            flag = (weights[index].reshape(hidden.shape[0], -1) == 0).all(-1)
-            here, exact = (flag if here is None else here | flag), False
+            flag = _zero_weight(weights[index], hidden.shape[0])
+            here, exact = (flag if here is None else _either(here, flag)), False
         if here is None:
             return None
-        skip = here if skip is None else skip & here
+        skip = here if skip is None else _both(skip, here)
     if skip is not None and weights:
-        for weight in weights.values():
-            skip &= torch.isfinite(weight.reshape(hidden.shape[0], -1)).all(-1)
+        for weight in weights.values():  # out of place: ``skip`` may be a caller's mask
+            skip = _both(skip, _finite_weight(weight, hidden.shape[0]))
+    if isinstance(skip, bool):  # flags of broadcast weights only: the same for every token
+        skip = torch.full((hidden.shape[0],), skip, dtype=torch.bool, device=hidden.device)
     if skip is None or not skip.any():
         return None
     if not exact and not torch.isfinite(hidden[skip]).all():
@@ -333,11 +398,15 @@ class _Results:
     def store(self, result: list, start: int, count: int, picked, num_outputs: int, need: _Need, whole: bool):
         """One tile's results at its rows (``picked``: the rows a gathered tile ran)."""
 
-        def put(into, value):
-            if picked is None:
-                into[start : start + count] = value[:count]
+        def put(into, value):  # one copy; a slice only where rows differ (a padded tile, a part)
+            if value.shape[0] != count:
+                value = value[:count]
+            if picked is not None:
+                into.index_copy_(0, picked, value)
+            elif count == into.shape[0]:  # the only tile
+                into.copy_(value)
             else:
-                into.index_copy_(0, picked, value[:count])
+                into[start : start + count] = value
 
         if self.outputs is not None:
             for out, value in zip(self.outputs, result, strict=False):
@@ -421,9 +490,10 @@ def _run_tiles(
     # the traced tiles assume contiguous slices; a derived token weight can be a broadcast scalar
     tangents = {i: t.contiguous() for i, t in tangents.items()}
     token_inputs = [t.contiguous() for t in token_inputs]
-    rows, key, bounds = _loop_plan(
+    rows, loop_plan = _loop_plan(
         program, call, hidden, weight, bias, token_inputs, row_inputs, tangents, need, rows, coupled
     )
+    key = loop_plan.key
     num_tokens = hidden.shape[0] if rows is None else rows.numel()
     tile = key.tile
     out = _Results.allocate(program, key, hidden, weight, token_inputs, row_inputs, need, num_tokens,
@@ -433,14 +503,10 @@ def _run_tiles(
     whole = rows is None and num_tokens == tile
     row_inputs = tuple(row_inputs)
     tangent_list = [tangents[i] for i in key.tangents] if coupled is None else []
-    kernel = _per_tile(_program_kernel(key)) if num_tokens else None  # no tile, no trace (an empty batch)
-    kernel_size = key.tile
     loop = contextlib.nullcontext() if coupled is None else running(program, hidden.shape[0], coupled[1])
     with loop:
-        for start, count in bounds:
-            size = tile if count == tile else effective_tile(count, TileSize(tile))  # a short tile: padded
-            if size != kernel_size:
-                kernel, kernel_size = _per_tile(_program_kernel(dataclasses.replace(key, tile=size))), size
+        for start, count, size in loop_plan.tiles:
+            kernel = loop_plan.kernel(size)
             picked, hidden_tile, token_tiles, tangent_tiles = _tile_rows(
                 hidden, token_inputs, tangent_list, start, count, size, rows
             )
@@ -466,35 +532,88 @@ def _run_tiles(
     return out.finish(program, call, hidden, weight, need)
 
 
+@dataclasses.dataclass(frozen=True)
+class _LoopPlan:
+    """What a tile loop decides from the program, the plan's constants, the sizes, dtypes and
+    devices and what it differentiates, and from nothing else: made once per such signature
+    (:func:`_loop_plan`), so a step with the same shapes pays a dictionary lookup for it."""
+
+    tile_plan: TilePlan
+    key: TileKernelKey  # the full-size tiles' traced function
+    tiles: tuple[tuple[int, int, int], ...]  # (first row, rows, the traced tile's rows: padded)
+    kernels: dict = dataclasses.field(default_factory=dict, compare=False)  # by tile rows, on first use
+
+    def kernel(self, size: int):
+        """The per-tile function of ``size`` rows (traced once per process, see traced_once)."""
+        kernel = self.kernels.get(size)
+        if kernel is None:
+            key = self.key if size == self.key.tile else dataclasses.replace(self.key, tile=size)
+            kernel = self.kernels[size] = _per_tile(_program_kernel(key))
+        return kernel
+
+
 def _loop_plan(program, call, hidden, weight, bias, token_inputs, row_inputs, tangents, need, rows, coupled):
-    """``(rows, kernel key, tile bounds)`` of one loop: the plan's tiles in token order, or a
-    coupled loop's whole groups in its own order (its kernel evaluating its tangents)."""
+    """``(rows, loop plan)`` of one loop: the plan's tiles in token order, or a coupled loop's
+    whole groups in its own order (its kernel evaluating its tangents). Only the count of the
+    rows reaches a plan in token order (not which tokens were skipped): it is kept per signature."""
+    head = (program, call, hidden, weight, bias, token_inputs, row_inputs, tangents, need)
     if coupled is not None:
-        rows = coupled[0].order
-    num_tokens = hidden.shape[0] if rows is None else rows.numel()
+        rows, loop_plan = coupled[0].order, _coupled_loop(*head, coupled[0])
+    else:
+        num_tokens = hidden.shape[0] if rows is None else rows.numel()
+        signature = (
+            program.key, call, num_tokens, hidden.shape, hidden.dtype, hidden.device, weight.shape,
+            weight.dtype, weight.device, None if bias is None else bias.dtype,
+            tuple((t.shape[1:], t.dtype) for t in token_inputs),
+            tuple((r.shape, r.dtype) for r in row_inputs), tuple(sorted(tangents)), need, _settings.current(),
+        )  # fmt: skip
+        loop_plan = _cached(_loop_plans, signature, lambda: _ordered_loop(*head, num_tokens))
+    _plan.ran(loop_plan.tile_plan)
+    return rows, loop_plan
+
+
+def _ordered_loop(program, call, hidden, weight, bias, token_inputs, row_inputs, tangents, need, num_tokens):
+    """Tiles of the plan's size over ``num_tokens`` rows, in order, the last one padded."""
     tile_plan = plan_tiles(
         num_tokens, hidden.shape[0], call.tile, weight.shape, weight.dtype, weight.device, call.compile_tiles,
         need.weight,
     )  # fmt: skip
-    if coupled is not None:
-        tile_plan = dataclasses.replace(tile_plan, tile=coupled[0].tile, coupled=len(coupled[0].bounds))
-    _plan.ran(tile_plan)
     key = _kernel_key(
         program, call, tile_plan, hidden, weight, bias, token_inputs, row_inputs, tangents, need
     )
-    if coupled is None:
-        tile = key.tile
-        return rows, key, [(start, min(tile, num_tokens - start)) for start in range(0, num_tokens, tile)]
+    bounds = [(start, min(key.tile, num_tokens - start)) for start in range(0, num_tokens, key.tile)]
+    return _LoopPlan(tile_plan, key, _padded(bounds, key.tile))
+
+
+def _coupled_loop(program, call, hidden, weight, bias, token_inputs, row_inputs, tangents, need, tiles):
+    """The tiles of whole coupled groups ``tiles`` (a :class:`CoupledTiles`)."""
+    tile_plan = plan_tiles(
+        tiles.order.numel(), hidden.shape[0], call.tile, weight.shape, weight.dtype, weight.device,
+        call.compile_tiles, need.weight,
+    )  # fmt: skip
+    tile_plan = dataclasses.replace(tile_plan, tile=tiles.tile, coupled=len(tiles.bounds))
+    key = _kernel_key(
+        program, call, tile_plan, hidden, weight, bias, token_inputs, row_inputs, tangents, need
+    )
     diff = tuple(i for i, out in enumerate(program.outputs) if out.differentiable)
     key = dataclasses.replace(key, tangents=diff if need.any() else (), coupled=True)
-    return rows, key, coupled[0].bounds
+    return _LoopPlan(tile_plan, key, _padded(tiles.bounds, key.tile))
+
+
+def _padded(bounds, tile: int) -> tuple[tuple[int, int, int], ...]:
+    """``(start, count)`` tiles with the rows each one's traced function takes: a short tile padded."""
+    return tuple(
+        (start, count, tile if count == tile else effective_tile(count, TileSize(tile)))
+        for start, count in bounds
+    )
 
 
 def _tile_of(t: torch.Tensor, start: int, stop: int, size: int, zeros: bool = False) -> torch.Tensor:
     """Rows ``start:stop`` of ``t``, padded to ``size`` rows. Padding rows repeat a real row
     (finite wherever the data is) and get a zero tangent (``zeros``), so they add exactly
     nothing to any gradient sum."""
-    t = t[start:stop]
+    if start or stop != t.shape[0]:  # the whole tensor is its own tile: no slice to dispatch
+        t = t[start:stop]
     if t.shape[0] == size:
         return t
     missing = size - t.shape[0]
@@ -570,9 +689,27 @@ def _fake_grads(hidden, weight, bias, token_inputs, row_inputs, need: _Need) -> 
 
 
 def _resolved(call: str) -> tuple[RegionCall, RowProgram]:
-    """The record an op's ``call`` key stands for, and its region's program."""
+    """The record an op's ``call`` key stands for, and its region's program: parsed once per key
+    (the ops' implementations run here each call; :func:`run_region`, which Dynamo may trace,
+    parses its key itself)."""
+    return _cached(_calls, call, lambda: _parsed(call))
+
+
+def _parsed(call: str) -> tuple[RegionCall, RowProgram]:
     plan = RegionCall.parse(call)
     return plan, _region.lookup(plan.program)
+
+
+def _cached(cache: BoundedCache, key, make):
+    """``cache[key]``, made by ``make()`` where missing (two threads may both make it: either
+    result serves, as both are made from the same key)."""
+    value = cache.get(key)
+    return value if value is not None else cache.put(key, make())
+
+
+#: what the per-call path decides once per key (see _resolved, _loop_plan)
+_calls = BoundedCache("region calls", TILE_KERNEL_CACHE_SIZE)
+_loop_plans = BoundedCache("tile loop plans", TILE_KERNEL_CACHE_SIZE)
 
 
 def _need(need: list[bool], row_inputs, token_inputs) -> _Need:
@@ -858,7 +995,7 @@ def run_region(
             reduce_inputs,
         )  # fmt: skip
     hidden = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0)
-    region = _resolved(call)[1]
+    region = _region.lookup(RegionCall.parse(call).program)
     if region.reduction is None:
         return _row_region(hidden, weight, bias, token_inputs, row_inputs, call=call)
     grad_on = torch.is_grad_enabled()
