@@ -31,10 +31,10 @@ import dataclasses
 import torch
 import torch.fx
 
+from tile_pass._caches import BoundedCache
 from tile_pass._logging import log
 from tile_pass.program import _region
 from tile_pass.program._token_groups import _interpreted, _Interpreter, _traced, _Unknown
-from tile_pass.tiles._tile_kernel import _BoundedCache
 
 aten = torch.ops.aten
 
@@ -112,7 +112,7 @@ class _CutSummaries(torch.fx.Interpreter):
         return loss, [self.found[name] for name in self.cut]
 
 
-_cache = _BoundedCache(256)
+_cache = BoundedCache("token summaries", 256)
 
 
 def token_summaries(
