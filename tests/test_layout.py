@@ -90,10 +90,10 @@ def layer_pairs(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[tuple[
     return {(a, b): sorted(across[a, b] + across[b, a]) for a, b in across if a < b and (b, a) in across}
 
 
-#: Layer pairs still allowed, until helper B's matcher work lands (issue 44): the IR's vocabulary
-#: (match/_op_facts.py) moves into program/, and the matcher's sharding stops importing
-#: _distributed, which reads the op facts. Empty it then; nothing is to be added here.
-STILL_IMPORTING_EACH_OTHER = {("_distributed", "match"), ("match", "program")}
+#: Layer pairs still allowed to import each other: none since the IR's vocabulary (the op facts,
+#: TokenReduction) moved into program/ and _distributed stopped reading match/ (issue 44).
+#: Nothing is to be added here.
+STILL_IMPORTING_EACH_OTHER: set[tuple[str, str]] = set()
 
 
 def test_no_two_layers_import_each_other():

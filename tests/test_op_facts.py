@@ -1,4 +1,4 @@
-"""Every fact about one op in one place (``tile_pass.match._op_facts``), on one key per op.
+"""Every fact about one op in one place (``tile_pass.program._op_facts``), on one key per op.
 
 An op added with one registration next to its rule (``torch.special.xlog1py``: a zero rule,
 a linearity fact, a report name) is tiled and exact against float64 eager; a registration
@@ -7,6 +7,7 @@ that forgets a fact raises at once; every way Dynamo spells an op reaches the sa
 
 from __future__ import annotations
 
+import inspect
 import operator
 
 import pytest
@@ -15,9 +16,8 @@ import torch.nn.functional as F
 from conftest import assert_close_to_oracle, leaves, value_and_grads
 
 import tile_pass
-from tile_pass.match import _op_facts
-from tile_pass.match._op_facts import AS_KEY, FACT_NAMES, FACTS, Fold, Linear, RuleKind
-from tile_pass.program import _region
+from tile_pass.program import _op_facts, _region
+from tile_pass.program._op_facts import AS_KEY, FACT_NAMES, FACTS, Fold, Linear, RuleKind
 
 N, H, V, TILE = 40, 16, 53, 8
 
@@ -47,9 +47,10 @@ def _inputs():
 
 @pytest.mark.parametrize("fn", [unlikelihood, log_weighted_ce])
 def test_a_new_op_registered_once_is_tiled_and_exact(fn):
-    """``xlog1py`` is one registration in ``tile_pass/match/_rules.py``: in the region (its zero rule
-    makes a masked token skippable) and in the scalar loss after it (its linearity joins it to
-    the op); the report names it; loss and gradients are float64 eager's over several tiles."""
+    """``xlog1py`` is one registration (``tile_pass/match/_elementwise_rules.py``): in the region
+    (its zero rule makes a masked token skippable) and in the scalar loss after it (its linearity
+    joins it to the op); the report names it; loss and gradients are float64 eager's over several
+    tiles."""
     h, w, y, negative, mask = _inputs()
     backend = tile_pass.backend("aot_eager", tile_tokens=TILE)
     compiled = torch.compile(fn, backend=backend, fullgraph=True)
@@ -118,3 +119,51 @@ def test_targets_outside_torch_have_no_key():
     assert _op_facts.op_key(max) is None and _op_facts.op_key(abs) is None  # builtins, not torch's
     assert _op_facts.op_key([1]) is None  # unhashable
     assert _op_facts.facts_for("no_such_op") is None
+
+
+def test_every_sharded_form_is_a_function_given_at_registration():
+    """An op's ``sharded`` fact is its group-wide function itself, resolved when the op is
+    registered: a name to be looked up when a region is matched, or anything else that cannot
+    be called, raises at registration."""
+    sharded = {key: facts.sharded for key, facts in FACTS.items() if facts.sharded is not None}
+    assert {"sum", "mean", "logsumexp", "softmax", "log_softmax", "gather", "cross_entropy"} <= sharded.keys()
+    assert all(callable(function) for function in sharded.values()), sharded
+    assert all(FACTS[key].kind.over_vocab for key in sharded), "only an op over the vocabulary needs one"
+    facts = {**_facts_of("logsumexp"), "shown": AS_KEY}
+    for bad in ("shard_logsumexp", 3):
+        with pytest.raises(TypeError, match="sharded"):
+            _op_facts.register_ops("softsign", kind=RuleKind.VOCAB_REDUCTION, **{**facts, "sharded": bad})(
+                print
+            )
+    assert "softsign" not in FACTS
+
+
+def test_a_reduction_binds_its_arguments_by_its_signature_fact():
+    """The signature a rule binds a node's arguments with is a fact of the op (``sum``'s ``dim``,
+    ``keepdim`` and ``dtype``), checked at registration like the others."""
+    assert list(FACTS["sum"].signature.parameters) == ["input", "dim", "keepdim", "dtype"]
+    assert FACTS["logsumexp"].signature.parameters["dim"].default is inspect.Parameter.empty
+    assert FACTS["max"].signature is FACTS["argmin"].signature and FACTS["exp"].signature is None
+    facts = {**_facts_of("logsumexp"), "shown": AS_KEY}
+    with pytest.raises(TypeError, match="signature"):
+        _op_facts.register_ops("softsign", kind=RuleKind.VOCAB_REDUCTION, **{**facts, "signature": "dim"})(
+            print
+        )
+    assert "softsign" not in FACTS
+
+
+def test_the_op_facts_are_the_programs_vocabulary():
+    """The facts live in program/ (the IR's ground floor): nothing in program/ and nothing in the
+    distributed module imports the matcher, function-level imports included."""
+    from test_layout import import_graph
+
+    graph = import_graph()
+    upward = {
+        (module, imported)
+        for module, imports in graph.items()
+        if module.startswith("tile_pass.program") or module == "tile_pass._distributed"
+        for imported in imports
+        if imported.startswith("tile_pass.match")
+    }
+    assert upward == set(), upward
+    assert "tile_pass.program._op_facts" in graph["tile_pass.program._region"]

@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from tile_pass.match import _region_match
 from tile_pass.match._fx import NoMatch, as_linear
 from tile_pass.match._records import ProgramValue, RegionValue, SliceMode
-from tile_pass.match._rules import AfterTiles, RuleKind, Shape, TokenReduction
+from tile_pass.match._rule_base import AfterTiles, Shape
+from tile_pass.program._op_facts import RuleKind
 from tile_pass.program._region import Layout
+from tile_pass.program._token_layout import TokenReduction
 
 
 def _dynamo_graph(fn, *args) -> torch.fx.Graph:

@@ -155,8 +155,7 @@ def test_zero_expressions_combine_their_parts_flags_and_exactness():
 
 def test_zero_rules_are_for_ops_the_matcher_replays():
     """A zero rule is a fact of an op that has a row-wise rule, registered once."""
-    from tile_pass.match import _op_facts
-    from tile_pass.program import _region
+    from tile_pass.program import _op_facts, _region
     from tile_pass.program._region import Ref, RefKind, Step, ZeroAny, ZeroIf, ZeroKind
 
     zeroed = {key for key, facts in _op_facts.FACTS.items() if facts.zeros is not None}

@@ -397,8 +397,8 @@ def test_enums_have_a_process_independent_canonical_form():
 
 
 def test_every_rule_is_registered_once_per_op():
-    from tile_pass.match import _op_facts
-    from tile_pass.match._rules import RuleKind
+    from tile_pass.program import _op_facts
+    from tile_pass.program._op_facts import RuleKind
 
     assert _op_facts.facts_for(torch.gather).kind is RuleKind.GATHER
     assert _op_facts.facts_for(F.kl_div).kind is RuleKind.LOSS

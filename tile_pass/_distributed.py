@@ -4,7 +4,7 @@ Each rank of the tensor-parallel group holds rows ``[start, start + V_r)`` of th
 runs the region's row-wise program (``tile_pass.program._region``) on its own ``[tile, V_r]``
 logits, one tile of tokens at a time, in the one tile loop (``tile_pass.tiles.tiled_region``).
 Elementwise steps are local; each step that reduces, normalises or indexes over the
-vocabulary is replaced by its group-wide form here (``shard_step``), built from two
+vocabulary is replaced by its group-wide form here (the op's ``sharded`` fact), built from two
 collectives of ``[tile]`` values: a max that is only a shift, and :func:`_group_sum`. No
 rank ever holds more than a tile of its shard's logits.
 
@@ -25,15 +25,11 @@ it; its textbook region is matched with the shard given explicitly, :data:`VOCAB
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import operator
 
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-
-from tile_pass.match._op_facts import facts_for
 
 #: ``node.meta`` key of a graph's LM-head weight holding ``(process group name, this rank's
 #: first row, its rows)``: the matcher builds the sharded program of that head. The weight's
@@ -161,26 +157,6 @@ def shard_elementwise(target, op: str, replicated: tuple[int, ...], group_name: 
     if op == "call_method":
         return getattr(args[0], target)(*args[1:], **kwargs)
     return target(*args, **kwargs)
-
-
-def shard_step(step, group_name: str, vocab_start: int, vocab_size: int):
-    """The group-wide form of a region step over the vocabulary (its op's ``sharded`` fact, a
-    function of this module), or ``None`` where there is none (the caller declines the region,
-    naming the op)."""
-    kwargs = dict(step.kwargs)
-    facts = facts_for(step.target)
-    if facts is None or facts.sharded is None or "weight" in kwargs:
-        return None
-    function = globals()[facts.sharded]
-    shard = {"group_name": group_name}
-    parameters = inspect.signature(function).parameters
-    if "vocab_start" in parameters:
-        shard["vocab_start"] = vocab_start
-    if "vocab_size" in parameters:
-        shard["vocab_size"] = vocab_size
-    return dataclasses.replace(
-        step, op="call_function", target=function, kwargs=tuple({**kwargs, **shard}.items())
-    )
 
 
 def on_local_shards(run, hidden, weight, bias, token_inputs, row_inputs, reduce_inputs):

@@ -13,13 +13,13 @@ except ImportError:  # torch 2.11/2.12: the same unguarded hint, under its older
     from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
 from tile_pass.match._fx import source_line, val
-from tile_pass.match._op_facts import RuleKind, facts_for
 from tile_pass.match._records import describe_output
-from tile_pass.match._rules import LOSS_SIGNATURES, bind
+from tile_pass.match._rule_base import LOSS_SIGNATURES, bind
 from tile_pass.plan import _weight_grad
 from tile_pass.plan._plan import plan_tiles
 from tile_pass.plan._tiling import TileSize
 from tile_pass.plan._weight_grad import WeightGradSchedule
+from tile_pass.program._op_facts import RuleKind, facts_for
 from tile_pass.program._region import Layout, Step
 from tile_pass.report import Rewrite, logits_bytes_fields
 

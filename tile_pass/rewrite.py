@@ -24,11 +24,11 @@ from tile_pass.match import _region_match, _rules
 from tile_pass.match._fold_loops import fold_row_loops
 from tile_pass.match._functionalize import functionalize_writes
 from tile_pass.match._fx import NoMatch, as_linear, describe, projection_of, same, source_line, val
-from tile_pass.match._op_facts import facts_for, spelling
-from tile_pass.match._rules import LOSS_SIGNATURES, bind
+from tile_pass.match._rule_base import LOSS_SIGNATURES, bind
 from tile_pass.plan._plan import RegionCall
 from tile_pass.plan._tiling import TileSize, choose_tile_tokens
 from tile_pass.program import _region
+from tile_pass.program._op_facts import facts_for, spelling
 from tile_pass.program._region import RowProgram
 from tile_pass.report import GraphReport, Skip
 from tile_pass.splice import _splice

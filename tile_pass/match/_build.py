@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from tile_pass.match._fx import NoMatch, as_linear, val
 from tile_pass.match._matcher import RegionMatcher
-from tile_pass.match._records import RegionOutput, RowRegion
+from tile_pass.match._records import RegionOutput, RegionOutputs, RowRegion
 from tile_pass.match._scalar_loss import ScalarLoss
 from tile_pass.match._sharding import shard_program_steps
 from tile_pass.program import _region
 from tile_pass.program._region import Layout, Output, ReductionProgram, RowProgram
 
 
-def build_region(matcher: RegionMatcher, outputs: list[RegionOutput], loss: ScalarLoss | None) -> RowRegion:
-    """The program of the walked region ``matcher`` with ``outputs`` (and ``loss`` joined to the
-    op, if found), registered, and the region's record."""
+def build_region(matcher: RegionMatcher, found: RegionOutputs, loss: ScalarLoss | None) -> RowRegion:
+    """The program of the walked region ``matcher`` with the outputs ``found`` (and ``loss``
+    joined to the op, if there is one), registered, and the region's record."""
+    outputs = found.outputs
     steps_text = _steps_text(matcher, outputs)
     program = _region.register(_program(matcher, outputs, loss, " -> ".join(steps_text)))
     return RowRegion(
@@ -25,7 +26,7 @@ def build_region(matcher: RegionMatcher, outputs: list[RegionOutput], loss: Scal
         token_inputs=matcher.token_inputs, row_inputs=matcher.row_inputs, outputs=outputs, program=program,
         reduction_nodes=loss.nodes if loss else [], sink=loss.sink if loss else None,
         reduce_inputs=loss.inputs if loss else [], steps_text=steps_text,
-        dropped=matcher.dropped, kept_whole=matcher.kept_whole, slices=matcher.slices,
+        dropped=found.dropped, kept_whole=found.kept_whole, slices=matcher.slices,
         left_to_graph=[n for n in matcher.graph.nodes if n in matcher.left_to_graph],
         num_tokens=matcher.num_tokens,
     )  # fmt: skip

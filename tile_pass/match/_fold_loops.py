@@ -19,7 +19,7 @@ import torch
 import torch.fx
 
 from tile_pass.match import _rules
-from tile_pass.match._op_facts import Fold, RuleKind, facts_for
+from tile_pass.program._op_facts import Fold, RuleKind, facts_for
 
 
 def _row_of(node, batch: int):

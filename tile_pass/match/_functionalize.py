@@ -20,7 +20,7 @@ and the matcher then says why its region stops, when:
 * the out-of-place op would give another dtype or shape than the in-place one (``bf16.add_(f32)``).
 
 Which spellings write in place, and the op each is replayed as, come from the op registry
-(:func:`tile_pass.match._op_facts.spelling`); the op's facts must allow it (``inplace``).
+(:func:`tile_pass.program._op_facts.spelling`); the op's facts must allow it (``inplace``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from tile_pass._logging import log
 from tile_pass.match._fx import val
-from tile_pass.match._op_facts import FACTS, spelling
+from tile_pass.program._op_facts import FACTS, spelling
 
 #: ``node.meta`` key of a write left in place: why, as ``NoMatch`` takes it (a format string, its nodes)
 KEPT_IN_PLACE = "tile_pass_kept_in_place"

@@ -33,15 +33,24 @@ class NoMatch(Exception):
     ``node`` is the node that stopped the region (by default the first one the text names),
     ``depends`` the nodes computed from the logits, whose own reports this one replaces;
     ``eager_raises``: eager raises on this input, so a compiler that accepts it (Inductor) runs
-    what eager refuses, and the user is warned."""
+    what eager refuses, and the user is warned. A reason is not changed once raised:
+    :meth:`but` makes a new one."""
 
     def __init__(
-        self, format_string: str, *format_args, node: torch.fx.Node | None = None, eager_raises: bool = False
-    ):
+        self, format_string: str, *format_args, node: torch.fx.Node | None = None, eager_raises: bool = False,
+        depends: frozenset[torch.fx.Node] = frozenset(),
+    ):  # fmt: skip
         super().__init__(format_string, *format_args)
         self.format_string, self.format_args, self.eager_raises = format_string, format_args, eager_raises
         self.node = node or next((a for a in format_args if isinstance(a, torch.fx.Node)), None)
-        self.depends: set[torch.fx.Node] = set()
+        self.depends = frozenset(depends)
+
+    def but(self, *, node: torch.fx.Node | None = None, depends=None) -> NoMatch:
+        """This reason, naming ``node`` where it names none, and with ``depends`` if given."""
+        return NoMatch(
+            self.format_string, *self.format_args, node=self.node or node, eager_raises=self.eager_raises,
+            depends=self.depends if depends is None else depends,
+        )  # fmt: skip
 
     def __str__(self) -> str:
         return self.format_string.format(

@@ -13,10 +13,10 @@ import torch.fx
 
 from tile_pass.match import _fx, _rules
 from tile_pass.match._fx import NoMatch, same, same_shape, source_line, val
-from tile_pass.match._op_facts import spelling
 from tile_pass.match._records import ProgramValue, RegionValue, RowInput, SliceMode, TokenInput
-from tile_pass.match._rules import PREVIOUS_STEP, Classified, RuleKind, Shape
+from tile_pass.match._rule_base import PREVIOUS_STEP, Classified, IndexCheck, Shape
 from tile_pass.program import _region
+from tile_pass.program._op_facts import RuleKind, spelling
 from tile_pass.program._region import Layout, Ref, RefKind, Step, target_name
 from tile_pass.program._row_selection import RowSelection
 
@@ -85,8 +85,7 @@ class RegionMatcher:
         # the autocast state the graph is compiled under (AOTAutograd traces it under this too)
         ambient_dtype = _fx.autocast_dtype(self.device_type)
         self.ambient = None if ambient_dtype is None else (self.device_type, ambient_dtype)
-        self.hidden_tokens = tuple(hidden_val.shape[:-1])
-        self.num_tokens = math.prod(self.hidden_tokens)
+        self.hidden_tokens = tuple(hidden_val.shape[:-1])  # the tokens the tiles run (after the slices)
         self.autocast_dtype = self._autocast_dtype(hidden_val, weight_val, out_val)
         logits = ProgramValue(0, None, Shape(Layout.ROWS, self.hidden_tokens))
         self.program: list[ProgramValue] = [logits]  # value i is program[i]; the steps after it: the program
@@ -94,24 +93,25 @@ class RegionMatcher:
         self.outside: dict[torch.fx.Node, NoMatch] = {}  # node that depends on the logits -> why not row-wise
         self.token_inputs: list[TokenInput] = []
         self.row_inputs: list[RowInput] = []
-        self.index_checks: list[tuple] = []
+        self.index_checks: list[IndexCheck] = []
         self.head_signs = False
-        #: returned rows: not computed (drop_logits=True); before a token slice, left to the graph whole
-        self.dropped: list[torch.fx.Node] = []
-        self.kept_whole: list[torch.fx.Node] = []
         self.slices: list[tuple] = []  # token selections moved onto the hidden states, in order
         self.slice_steps: list[int] = []  # per slice, the first program value after it
         #: other heads' projections whose tiles the region computes -> their transpose, if only theirs
         self.partners: dict[torch.fx.Node, torch.fx.Node | None] = {}
         self.partner_inputs: list = []  # the partner heads' hidden states, weights and biases
         self.selections: list[tuple[RowSelection, tuple]] = []  # (the rows, their token dims)
-        self.selection: int | None = None  # the selection of the node being classified
         self.saw_selection = False  # a chunk/split/narrow of the rows: the second pass may take it
         self.depends: set[torch.fx.Node] = {projection}  # the nodes computed from the logits
         #: memory -> the first in-place write of values computed from the logits into it
         self.written: dict[int, torch.fx.Node] = {}
         self.left_to_graph: set[torch.fx.Node] = set()  # returned views of returned rows (collect_outputs)
         self.last_added = 0  # the program value the last step added (or found) is
+
+    @property
+    def num_tokens(self):
+        """How many tokens the tiles run (after the token slices)."""
+        return math.prod(self.hidden_tokens)
 
     def _autocast_dtype(self, hidden_val, weight_val, out_val) -> torch.dtype | None:
         """The autocast dtype the projection runs in (``None``: its inputs' own)."""
@@ -130,15 +130,26 @@ class RegionMatcher:
 
     # ---------------------------------------------------------------- operands
 
-    def flat_tokens(self, tokens: tuple) -> bool:
-        """Whether a token shape is the flattened [N] (else it must be the hidden states', or
-        those of the row selection being classified)."""
-        grid = self.hidden_tokens if self.selection is None else self.selections[self.selection][1]
+    def flat_tokens(self, tokens: tuple, node: torch.fx.Node, selection: int | None) -> bool:
+        """Whether the token shape of ``node``'s value, computed on the row selection
+        ``selection`` (``None``: all rows), is the flattened [N] (else it must be the hidden
+        states', or the selection's)."""
+        grid = self.hidden_tokens if selection is None else self.selections[selection][1]
         if same_shape(tokens, grid):
             return False
         if len(tokens) == 1 and same(tokens[0], math.prod(grid)):
             return True
-        raise NoMatch("the logits' token dimensions are regrouped into {}", tuple(tokens))
+        raise NoMatch("the logits' token dimensions are regrouped into {}", tuple(tokens), node=node)
+
+    def selection_of(self, node: torch.fx.Node) -> int | None:
+        """The row selection the region values ``node`` reads were computed on (``None``: all rows)."""
+        found = {self.values[a].selection for a in node.all_input_nodes if a in self.values}
+        if len(found) > 1:
+            raise NoMatch("{} combines values of different selections of the token rows (in the tiles, row i "
+                          "of one is not row i of the other); fix: reduce each selection over the vocabulary "
+                          "first (a log-sum-exp, a gathered log-prob) and combine those per-token values",
+                          node)  # fmt: skip
+        return found.pop() if found else None
 
     def shape_of(self, arg) -> Shape | None:
         """The shape of a region value; None for anything else."""
@@ -179,9 +190,11 @@ class RegionMatcher:
             raise NoMatch("{} uses a dynamic scalar; keep it a Python constant", node)
         if not isinstance(value, torch.Tensor):
             raise NoMatch("{} takes {}, which is not a tensor", node, arg)
-        return self.side_input(arg, value, out, node)
+        return self.side_input(arg, value, out, node, self.selection_of(node))
 
-    def side_input(self, arg, value: torch.Tensor, out: Shape, node) -> Ref:
+    def side_input(self, arg, value: torch.Tensor, out: Shape, node, selection: int | None) -> Ref:
+        """``arg``, a tensor from outside the region that ``node`` (computed on the row selection
+        ``selection``) reads: shared by every row, or per token."""
         if value.requires_grad and self.shard is not None and getattr(val(node), "requires_grad", True):
             raise NoMatch("{} uses {}, which requires grad; a learnable tensor is not tiled in "
                           "tensor-parallel form yet", node, arg)  # fmt: skip
@@ -206,8 +219,8 @@ class RegionMatcher:
         if not per_token and part and not same(part[0], 1):
             raise NoMatch("{} broadcasts {} over tokens into [N, V] rows", node, arg)
         part = tuple(1 if same(p, 1) else self.vocab for p in part)
-        subset = None if self.selection is None else self.selections[self.selection][0]
-        entry = TokenInput(arg, part, self.flat_tokens(out.tokens), subset, differentiable)
+        subset = None if selection is None else self.selections[selection][0]
+        entry = TokenInput(arg, part, self.flat_tokens(out.tokens, node, selection), subset, differentiable)
         if entry not in self.token_inputs:  # dataclass equality: the same node, part and token dims
             self.token_inputs.append(entry)
         return Ref(RefKind.TOKEN, self.token_inputs.index(entry))
@@ -269,6 +282,8 @@ class RegionMatcher:
             value = ProgramValue(len(self.program), step, entry.shape, kind, zeros)
             self.program.append(value)
         self.last_added = value.index
+        if entry.index_check is not None:  # a per-token index the tiles check as eager does
+            self.index_checks.append(entry.index_check)
         after = entry.after_tiles
         shape = entry.shape if after is None else Shape(Layout.REDUCED, entry.shape.tokens)
         self.join(node, value, shape, selection=selection, after_tiles=after)

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from tile_pass.match._fx import NoMatch, as_linear, projection_of, same, val
 from tile_pass.match._matcher import RegionMatcher
 from tile_pass.match._records import RowInput, TokenInput
-from tile_pass.match._rules import Classified, RuleKind, Shape
+from tile_pass.match._rule_base import Classified, Shape
 from tile_pass.match._sharding import vocab_shard
+from tile_pass.program._op_facts import RuleKind
 from tile_pass.program._region import Layout, Ref, RefKind
 
 
@@ -86,7 +87,8 @@ def add_partner(matcher: RegionMatcher, node: torch.fx.Node) -> None:
     if matcher.slices:
         raise NoMatch("{} is a second head after the logits' token rows were sliced", node)
     trained = out_val.requires_grad  # a trained second head: its gradients are derived in the tiles too
-    entry = TokenInput(hidden, (hidden_val.shape[-1],), matcher.flat_tokens(tokens),
+    # its logits are computed on all rows (no row selection)
+    entry = TokenInput(hidden, (hidden_val.shape[-1],), matcher.flat_tokens(tokens, node, None),
                        differentiable=trained and hidden_val.requires_grad)  # fmt: skip
     matcher.token_inputs.append(entry)
     matcher.partner_inputs.append(entry)

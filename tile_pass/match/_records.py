@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from tile_pass.match._op_facts import RuleKind
-from tile_pass.match._rules import AfterTiles, Shape
+from tile_pass.match._rule_base import AfterTiles, Shape
 from tile_pass.program import _region
+from tile_pass.program._op_facts import RuleKind
 from tile_pass.program._region import Layout, RowProgram, Step
 from tile_pass.program._row_selection import RowSelection
 
@@ -99,6 +99,17 @@ class RegionOutput:
     after_tiles: AfterTiles | None = None  # the token reduction left to do
     flat_tokens: bool = False  # its token dims are the flattened [N] (else the hidden states')
     subset: RowSelection | None = None  # computed on a selection of the token rows
+
+
+@dataclass(frozen=True)
+class RegionOutputs:
+    """The region values read outside it, and the rows the graph returns that the tiles do not
+    write: ``dropped`` (not computed, ``drop_logits=True``), ``kept_whole`` (computed before a
+    token slice: the graph keeps computing them)."""
+
+    outputs: list[RegionOutput]
+    dropped: list[torch.fx.Node]
+    kept_whole: list[torch.fx.Node]
 
 
 @dataclass

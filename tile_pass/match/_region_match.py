@@ -70,12 +70,12 @@ def match_row_region(
     matcher = None
     try:
         return _build_region(matcher := _walked(graph, projection, linear, states, drop_rows))
-    except NoMatch as why:
+    except NoMatch as stopped:
         if matcher is None:
             raise
-        why.depends = matcher.depends  # the skip replaces the reports of the losses it holds
+        why = stopped.but(depends=matcher.depends)  # the skip replaces the reports of the losses it holds
         if not matcher.slices and not matcher.saw_selection:
-            raise
+            raise why from None
         return _select_rows(graph, projection, linear, states, drop_rows, why, bool(matcher.slices))
 
 
@@ -94,7 +94,7 @@ def _select_rows(
         except NoMatch as other:
             log.debug("the matching pass with %s stopped too: %s", mode.value, other)
             if order.get(other.node, -1) > order.get(shown.node, -1):
-                other.depends, shown = why.depends, other
+                shown = other.but(depends=why.depends)
     raise shown from None
 
 
@@ -129,7 +129,7 @@ def first_stop(
 def _build_region(matcher: RegionMatcher) -> RowRegion | None:
     """The outputs, the scalar loss, then the program registered and the region's record; None if
     the region holds no head."""
-    outputs = collect_outputs(matcher)
-    if outputs is None:
+    found = collect_outputs(matcher)
+    if found is None:
         return None
-    return build_region(matcher, outputs, scalar_loss(matcher, outputs))
+    return build_region(matcher, found, scalar_loss(matcher, found.outputs))

@@ -13,8 +13,8 @@ import torch.fx
 from tile_pass.match import _rules
 from tile_pass.match._fx import val
 from tile_pass.match._matcher import RegionMatcher
-from tile_pass.match._op_facts import FACTS, Linear, spelling
 from tile_pass.match._records import RegionOutput
+from tile_pass.program._op_facts import FACTS, Linear, spelling
 from tile_pass.program._region import Layout, Ref, RefKind, Step, target_name
 from tile_pass.program._row_selection import selected_tokens
 from tile_pass.program._token_layout import after_tiles, restore, select

@@ -23,9 +23,9 @@ import torch.fx
 
 from tile_pass.match._fx import NoMatch, leading_index, permutation, same, same_shape, val
 from tile_pass.match._matcher import RegionMatcher
-from tile_pass.match._op_facts import Selects, facts_for
 from tile_pass.match._records import SliceMode
-from tile_pass.match._rules import Shape
+from tile_pass.match._rule_base import Shape
+from tile_pass.program._op_facts import Selects, facts_for
 from tile_pass.program._region import Layout, target_name
 from tile_pass.program._row_selection import RowSelection, SelectionOp, row_map, same_rows
 
@@ -64,7 +64,7 @@ def token_slice(matcher: RegionMatcher, node: torch.fx.Node) -> bool:
     tokens = tuple(val(node).shape[:-1])
     matcher.slices.append(index)
     matcher.slice_steps.append(len(matcher.program))  # the first value after it (the report shows it there)
-    matcher.hidden_tokens, matcher.num_tokens = tokens, math.prod(tokens)
+    matcher.hidden_tokens = tokens
     matcher.join(node, matcher.values[source].value, Shape(Layout.ROWS, tokens))
     return True
 
@@ -191,17 +191,6 @@ def _every_row(matcher: RegionMatcher, selection: RowSelection, tokens: tuple) -
         return False
     rows = row_map(torch.empty(*grid, 0), selection).reshape(-1)
     return rows.numel() == math.prod(grid) and bool(torch.equal(rows, torch.arange(rows.numel())))
-
-
-def selection_read(matcher: RegionMatcher, node: torch.fx.Node) -> int | None:
-    """The row selection the region values ``node`` reads were computed on (``None``: all rows)."""
-    found = {matcher.values[a].selection for a in node.all_input_nodes if a in matcher.values}
-    if len(found) > 1:
-        raise NoMatch("{} combines values of different selections of the token rows (in the tiles, row i "
-                      "of one is not row i of the other); fix: reduce each selection over the vocabulary "
-                      "first (a log-sum-exp, a gathered log-prob) and combine those per-token values",
-                      node)  # fmt: skip
-    return found.pop() if found else None
 
 
 def leave_returned_selections(matcher: RegionMatcher) -> None:

@@ -3,22 +3,25 @@ rank's piece of it, and the region's steps in their group-wide form on that piec
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 
 import torch
 import torch.fx
 
+from tile_pass._distributed import VOCAB_SHARD_META, shard_elementwise, shard_rows
 from tile_pass.match._fx import NoMatch, val
 from tile_pass.match._matcher import RegionMatcher
+from tile_pass.program._op_facts import facts_for
 from tile_pass.program._region import Layout, Ref, RefKind, Step
 
 _PER_TOKEN = (Layout.TOKENS, Layout.TOKENS1)
 
 #: ``(group name, first row, rows)`` of this rank's piece of the head's weight
-Shard = tuple[str, int, int]
+HeadShard = tuple[str, int, int]
 
 
-def head_shard(hidden: torch.fx.Node, weight, projection: torch.fx.Node) -> Shard | None:
+def head_shard(hidden: torch.fx.Node, weight, projection: torch.fx.Node) -> HeadShard | None:
     """The shard of the head ``projection`` (of ``hidden`` by ``weight``): from its DTensors' placements,
     or given on the weight by the functional API; None for a whole head. ``NoMatch`` for a
     DTensor head sharded otherwise."""
@@ -28,8 +31,6 @@ def head_shard(hidden: torch.fx.Node, weight, projection: torch.fx.Node) -> Shar
     if any(hasattr(v, "placements") for v in (hidden_val, weight_val, out_val)):
         return vocab_shard(hidden_val, weight_val, out_val)
     if isinstance(weight, torch.fx.Node):  # given explicitly (the functional API)
-        from tile_pass._distributed import VOCAB_SHARD_META
-
         return weight.meta.get(VOCAB_SHARD_META)
     return None
 
@@ -38,8 +39,6 @@ def vocab_shard(hidden, weight, out) -> tuple[str, int, int]:
     """``(group name, first row, rows)`` of this rank's piece of a vocabulary-sharded head
     (torchtitan's ``ColwiseParallel(output_layouts=Shard(-1))``); ``NoMatch`` otherwise."""
     from torch.distributed.tensor import Replicate, Shard
-
-    from tile_pass._distributed import shard_rows
 
     mesh = getattr(weight, "device_mesh", None)
     if mesh is None or mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
@@ -70,10 +69,8 @@ def no_op_redistribute(node: torch.fx.Node) -> bool:
 
 def shard_program_steps(matcher: RegionMatcher) -> list[Step]:
     """The region's steps on this rank's ``[tile, V_r]`` logits: each step over the vocabulary
-    in its group-wide form (``tile_pass._distributed.shard_step``), reshapes of rows to the
-    shard's width; ``NoMatch`` naming what has no sharded form."""
-    from tile_pass._distributed import shard_elementwise, shard_step
-
+    in its group-wide form (:func:`shard_step`), reshapes of rows to the shard's width; ``NoMatch``
+    naming what has no sharded form."""
     group_name, start, rows = matcher.shard
     if matcher.autocast_dtype is not None:
         raise NoMatch("autocast around a vocabulary-sharded head is not tiled in tensor-parallel form yet")
@@ -111,3 +108,20 @@ def shard_program_steps(matcher: RegionMatcher) -> list[Step]:
                 step = replace(step, op="call_function", target=shard_elementwise, args=args)
         steps.append(step)
     return steps
+
+
+def shard_step(step: Step, group_name: str, vocab_start: int, vocab_size: int) -> Step | None:
+    """The group-wide form of a region step over the vocabulary (its op's ``sharded`` fact, a
+    function registered with the op), or ``None`` where there is none (the caller declines the
+    region, naming the op)."""
+    kwargs = dict(step.kwargs)
+    facts = facts_for(step.target)
+    if facts is None or facts.sharded is None or "weight" in kwargs:
+        return None
+    shard = {"group_name": group_name}
+    parameters = inspect.signature(facts.sharded).parameters
+    if "vocab_start" in parameters:
+        shard["vocab_start"] = vocab_start
+    if "vocab_size" in parameters:
+        shard["vocab_size"] = vocab_size
+    return replace(step, op="call_function", target=facts.sharded, kwargs=tuple({**kwargs, **shard}.items()))

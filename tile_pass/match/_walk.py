@@ -8,12 +8,12 @@ import torch.fx
 
 from tile_pass.match._fx import NoMatch, as_linear, describe, same, val
 from tile_pass.match._matcher import RegionMatcher, memory, writes_in_place
-from tile_pass.match._op_facts import facts_for
 from tile_pass.match._partners import add_partner, partner_projections
-from tile_pass.match._records import RegionOutput
-from tile_pass.match._rules import Shape
-from tile_pass.match._selections import leave_returned_selections, row_selection, selection_read, token_slice
+from tile_pass.match._records import RegionOutput, RegionOutputs
+from tile_pass.match._rule_base import Shape
+from tile_pass.match._selections import leave_returned_selections, row_selection, token_slice
 from tile_pass.match._sharding import no_op_redistribute
+from tile_pass.program._op_facts import facts_for
 from tile_pass.program._region import Layout
 
 
@@ -72,8 +72,7 @@ def walk(matcher: RegionMatcher) -> None:
                 add_partner(matcher, node)
                 matcher.depends.add(node)
             except NoMatch as why:
-                why.node = why.node or node
-                matcher.outside[node] = why
+                matcher.outside[node] = why.but(node=node)
             continue
         if node is matcher.projection or not any(a in matcher.depends for a in node.all_input_nodes):
             continue
@@ -98,25 +97,22 @@ def walk(matcher: RegionMatcher) -> None:
         try:
             if row_selection(matcher, node) or token_slice(matcher, node) or bias_after(matcher, node):
                 continue
-            selection = matcher.selection = selection_read(matcher, node)
+            selection = matcher.selection_of(node)
             classified = matcher.classify(node)
         except NoMatch as why:
-            why.node = why.node or node
-            matcher.outside[node] = why
+            matcher.outside[node] = why.but(node=node)
             continue
-        finally:
-            matcher.selection = None
         for entry in classified:
             matcher.add(node, entry, selection=selection)
         matcher.no_gradient_through(node)
 
 
-def collect_outputs(matcher: RegionMatcher) -> list[RegionOutput] | None:
+def collect_outputs(matcher: RegionMatcher) -> RegionOutputs | None:
     """The region values read outside the region; None if it holds no head."""
     if not matcher.head_signs:
         return None
     leave_returned_selections(matcher)
-    outputs = []
+    outputs, dropped, kept_whole = [], [], []
     for node, record in matcher.values.items():
         users = [u for u in node.users if u not in matcher.values]
         if not users:
@@ -129,36 +125,11 @@ def collect_outputs(matcher: RegionMatcher) -> list[RegionOutput] | None:
             continue
         if shape.layout is Layout.TUPLE:
             raise NoMatch("{} is used whole; take its values and indices apart first", node)
-        if shape.layout is Layout.ROWS and record.selection is not None:
-            user = next((u for u in users if u.op != "output"), users[0])
-            why = matcher.outside.get(user)
-            if why is not None:  # the reader's own reason (values of two selections combined)
-                detail = str(why).removeprefix(describe(user)).strip(" ,:")
-                raise NoMatch("{} (rows of a selection of the logits) is also consumed by {}, which {}; so "
-                              "those rows must exist whole", node, user, detail, node=user)  # fmt: skip
-            raise NoMatch("{} selects token rows that {} reads as [tokens, V] rows, so they must exist "
-                          "whole", node, user, node=user)  # fmt: skip
         if shape.layout is Layout.ROWS:
-            if matcher.before_slice(node):  # before the token slice: returned whole, or dropped
-                if all(u.op == "output" for u in users):
-                    if matcher.drop_rows and len(matcher.slices) == 1:
-                        matcher.dropped.append(node)
-                    else:  # the graph keeps computing them; the tiles run the sliced rows
-                        matcher.kept_whole.append(node)
-                    continue
-                first = next(n for n, r in matcher.values.items() if r.sliced)  # the first slice
-                raise NoMatch("{} slices the logits' token rows while {} reads them whole, so they must "
-                              "exist whole", first, users[0])  # fmt: skip
-            if matcher.drop_rows and all(u.op == "output" for u in users) and not matcher.slices:
-                matcher.dropped.append(node)
+            left = _rows_left(matcher, node, users)
+            if left is not None:
+                (dropped if left else kept_whole).append(node)
                 continue
-            user = next((u for u in users if u.op != "output" and u not in matcher.left_to_graph), None)
-            if user is not None:  # it must exist whole for a reader that is not the output
-                why = matcher.outside.get(user)
-                detail = str(why).removeprefix(describe(user)).strip(" ,:") if why else "is not row-wise"
-                raise NoMatch("the logits ({}) are also consumed by {}, which {}; so they must exist "
-                              "whole", node, user, detail, node=user,
-                              eager_raises=getattr(why, "eager_raises", False))  # fmt: skip
         value = val(node)
         outputs.append(
             RegionOutput(node, index, shape, bool(value.requires_grad) and value.is_floating_point())
@@ -169,8 +140,47 @@ def collect_outputs(matcher: RegionMatcher) -> list[RegionOutput] | None:
     if not outputs:
         return None
     for out in outputs:
-        matcher.selection = matcher.values[out.node].selection
-        out.flat_tokens = matcher.flat_tokens(out.shape.tokens)
-        out.subset = None if matcher.selection is None else matcher.selections[matcher.selection][0]
-    matcher.selection = None
-    return outputs
+        selection = matcher.values[out.node].selection
+        out.flat_tokens = matcher.flat_tokens(out.shape.tokens, out.node, selection)
+        out.subset = None if selection is None else matcher.selections[selection][0]
+    return RegionOutputs(outputs, dropped, kept_whole)
+
+
+def _rows_left(matcher: RegionMatcher, node: torch.fx.Node, users: list[torch.fx.Node]) -> bool | None:
+    """For rows ``node`` that ``users`` read outside the region: True if the graph only returns
+    them and they are not computed (``drop_logits=True``); False if it only returns them whole,
+    computed before the token slice (the tiles run the sliced rows); None if the tiles write
+    them. ``NoMatch`` if a reader needs them whole."""
+    if matcher.values[node].selection is not None:
+        _selection_read_whole(matcher, node, users)
+    returned = all(u.op == "output" for u in users)
+    if matcher.before_slice(node):  # before the token slice: returned whole, or dropped
+        if returned:
+            return bool(matcher.drop_rows) and len(matcher.slices) == 1
+        first = next(n for n, r in matcher.values.items() if r.sliced)  # the first slice
+        raise NoMatch("{} slices the logits' token rows while {} reads them whole, so they must "
+                      "exist whole", first, users[0])  # fmt: skip
+    if matcher.drop_rows and returned and not matcher.slices:
+        return True
+    user = next((u for u in users if u.op != "output" and u not in matcher.left_to_graph), None)
+    if user is not None:  # it must exist whole for a reader that is not the output
+        why = matcher.outside.get(user)
+        detail = str(why).removeprefix(describe(user)).strip(" ,:") if why else "is not row-wise"
+        raise NoMatch("the logits ({}) are also consumed by {}, which {}; so they must exist "
+                      "whole", node, user, detail, node=user,
+                      eager_raises=getattr(why, "eager_raises", False))  # fmt: skip
+    return None
+
+
+def _selection_read_whole(matcher: RegionMatcher, node: torch.fx.Node, users: list[torch.fx.Node]) -> None:
+    """Raise why rows of a selection of the logits (``node``) that ``users`` read outside the
+    region must exist whole: the reader's own reason if it has one (values of two selections
+    combined), else that it reads them as rows."""
+    user = next((u for u in users if u.op != "output"), users[0])
+    why = matcher.outside.get(user)
+    if why is not None:
+        detail = str(why).removeprefix(describe(user)).strip(" ,:")
+        raise NoMatch("{} (rows of a selection of the logits) is also consumed by {}, which {}; so "
+                      "those rows must exist whole", node, user, detail, node=user)  # fmt: skip
+    raise NoMatch("{} selects token rows that {} reads as [tokens, V] rows, so they must exist "
+                  "whole", node, user, node=user)  # fmt: skip

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tile_pass._caches import BoundedCache
-from tile_pass.match._op_facts import RuleKind, facts_for
+from tile_pass.program._op_facts import RuleKind, facts_for
 
 
 class Layout(str, enum.Enum):
@@ -187,7 +187,7 @@ class ZeroAll(_ZeroParts):
 
 def zero_where(step: Step, zeros_of: dict[int, Zeros | None], per_token: frozenset[int]) -> Zeros | None:
     """Where a step's value is zero whatever the logits (``None``: nowhere known), by its op's
-    ``zeros`` fact (``tile_pass.match._rules``), from its operands' (``zeros_of``, by value index) and
+    ``zeros`` fact (``tile_pass.match._zero_rules``), from its operands' (``zeros_of``, by value index) and
     the per-token inputs (``per_token``)."""
     facts = facts_for(step.target)
     if facts is None or facts.zeros is None:

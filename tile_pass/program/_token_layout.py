@@ -8,12 +8,22 @@ reduction program (a token reduction folded into an op, finished after the tiles
 
 from __future__ import annotations
 
+import enum
 import math
 
 import torch
 
-from tile_pass.match._rules import TokenReduction
 from tile_pass.program._row_selection import RowSelection, row_map
+
+
+class TokenReduction(enum.Enum):
+    """A token reduction an op folds in, finished after the tiles; the value is the report's name."""
+
+    SUM = "sum"
+    DIV_ELEMENTS = "div_elements"  # a mean over the tokens and the vocabulary
+    DIV_TOKENS = "div_tokens"
+    DIV_FIRST_DIM = "div_first_dim"  # kl_div's batchmean: the input's first dimension
+    MEAN_VALID = "mean_valid"  # eager's denominator: the labelled tokens (class-weighted)
 
 
 def after_tiles(flat: torch.Tensor, how: TokenReduction, hidden: torch.Tensor, flat_tokens: bool, *operands):

@@ -18,10 +18,10 @@ import torch.fx
 from tile_pass.match import _rules
 from tile_pass.match._fx import NoMatch, describe, projection_of, val
 from tile_pass.match._matcher import memory, writes_in_place
-from tile_pass.match._op_facts import spelling
 from tile_pass.match._records import RowRegion
 from tile_pass.plan._plan import RegionCall
 from tile_pass.program import _region
+from tile_pass.program._op_facts import spelling
 from tile_pass.program._region import Layout, RowProgram
 from tile_pass.program._row_selection import selected_tokens
 from tile_pass.program._token_layout import after_tiles, per_token, restore, select, spread

@@ -5,18 +5,21 @@ Dynamo records one op many ways: ``x + y`` is ``operator.add``, ``torch.add``, t
 :func:`spelling` normalises any node target to one canonical key (``"add"``), whether the
 spelling writes in place, and the out-of-place target it is replayed as; it is computed once
 per target. :func:`register_ops` records one frozen :class:`OpFacts` per key, next to the
-op's row-wise rule (``tile_pass.match._rules``), as Inductor's AutoChunker registers its per-op
-rules. Every fact is given at registration (``zeros=None`` says "never known to be zero"):
-a missing one raises there, at import, rather than leaving a region silently untiled or a
-raw name in the report.
+op's row-wise rule (the rules of ``tile_pass.match``), as Inductor's AutoChunker registers its
+per-op rules. Every fact is given at registration (``zeros=None`` says "never known to be
+zero") and checked there: a missing or ill-typed one raises at import, rather than leaving a
+region silently untiled, a raw name in the report, or a sharded form that is looked up when a
+region is matched.
 
-This module imports nothing from tile_pass, so every phase may read it.
+The facts are the IR's vocabulary: this module imports nothing from tile_pass, so every phase
+may read it (the matcher registers the facts; the program, the report and the passes read them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,11 +30,11 @@ import torch.nn.functional as F
 
 
 class RuleKind(enum.Enum):
-    """What an op's row-wise rule proves of it; the loop folder (:mod:`._fold_loops`) reads it too.
+    """What an op's row-wise rule proves of it; the loop folder (``match._fold_loops``) reads it too.
 
     * ``ELEMENTWISE``: unary and binary maths, comparisons, ``where``, casts (no device move);
       tensor operands are per-token (sliced per tile) or shared by every row (0-d, ``[V]``);
-    * ``INPLACE``: ``x += b``, ``x.mul_(s)``, ... that :mod:`._functionalize` kept in place (it replays
+    * ``INPLACE``: ``x += b``, ``x.mul_(s)``, ... that ``match._functionalize`` kept in place (it replays
       the others out of place before matching): the region stops there, with the pre-pass's reason
       (the kind of an in-place spelling of an op whose facts say ``inplace=True``);
     * ``VIEW``: ``view``/``reshape``/``flatten``/``contiguous``/``squeeze(-1)``/``unsqueeze(-1)``
@@ -67,7 +70,7 @@ class Linear(enum.Enum):
 
 
 class Fold(enum.Enum):
-    """Whether a per-row Python loop of the op folds into one op on the batch (``_fold_loops``)."""
+    """Whether a per-row Python loop of the op folds into one op on the batch (``match._fold_loops``)."""
 
     NEVER = "never"
     ALWAYS = "always"  # elementwise
@@ -75,7 +78,7 @@ class Fold(enum.Enum):
 
 
 class Selects(enum.Enum):
-    """How an op selects token rows of the logits (``_selections.row_selection``)."""
+    """How an op selects token rows of the logits (``match._selections.row_selection``)."""
 
     PIECES = "pieces"  # ``chunk``/``split``/``tensor_split``: a tuple of pieces
     ONE_PIECE = "one_piece"  # ``narrow``
@@ -98,15 +101,17 @@ class OpFacts:
 
     key: str
     kind: RuleKind | None
-    #: the row-wise rule: (the ``_matcher.RegionMatcher``, the node) -> its steps, or ``NoMatch``
+    #: the row-wise rule: (the ``match._matcher.RegionMatcher``, the node) -> its steps, or ``NoMatch``
     classify: Callable | None
     #: ``rule(step, of, token)``: where the step's value is zero whatever the logits
     #: (``tile_pass.program._region.zero_where``); ``None``: nowhere known
     zeros: Callable | None
     linear: Linear
-    #: the name of its group-wide form in ``tile_pass._distributed`` for a vocabulary-sharded
-    #: head (only for an op over the vocabulary); ``None``: it has none, and the region is declined
-    sharded: str | None
+    #: its group-wide form for a vocabulary-sharded head (a function of ``tile_pass._distributed``
+    #: taking the step's arguments and the shard's ``group_name``, and ``vocab_start``/``vocab_size``
+    #: if it names them; only for an op over the vocabulary); ``None``: it has none, and the
+    #: region is declined
+    sharded: Callable | None
     folds: Fold
     #: reading the logits, it makes their projection an LM head (a loss, a log-softmax)
     head_sign: bool
@@ -123,20 +128,25 @@ class OpFacts:
     bias_add: bool
     #: a cast whose arguments say the dtype (``to``/``type``): replayed only for a dtype
     dtype_cast: bool
+    #: the signature its rule binds a node's arguments with (a reduction's ``dim``/``keepdim``);
+    #: ``None``: its rule binds none, or binds by the node's target (a loss)
+    signature: inspect.Signature | None
 
     def __post_init__(self):
         flags = ("head_sign", "shows_numbers", "aliases", "inplace", "bias_add", "dtype_cast")
         kinds = {
             "linear": Linear, "folds": Fold, "selects": (Selects, type(None)), "shown": str,
-            "kind": (RuleKind, type(None)), "sharded": (str, type(None)), **dict.fromkeys(flags, bool),
+            "kind": (RuleKind, type(None)), "signature": (inspect.Signature, type(None)),
+            **dict.fromkeys(flags, bool),
         }  # fmt: skip
         for name, kind in kinds.items():
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"op {self.key!r}: fact {name}={getattr(self, name)!r} is not a {kind}")
         if (self.kind is None) != (self.classify is None) or self.kind is RuleKind.INPLACE:
             raise ValueError(f"op {self.key!r}: a rule kind (not INPLACE) comes with its classify function")
-        if self.zeros is not None and not callable(self.zeros):
-            raise TypeError(f"op {self.key!r}: zeros={self.zeros!r} is not a zero rule")
+        for name in ("zeros", "sharded"):  # functions, resolved here (never a name looked up later)
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise TypeError(f"op {self.key!r}: {name}={getattr(self, name)!r} is not a function")
 
 
 #: the facts every registration gives, by name
