@@ -27,7 +27,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tile_pass._caches import BoundedCache, on_tracing_thread
+from tile_pass._caches import BoundedCache, on_tracing_thread, shapes_of
 from tile_pass._logging import log
 from tile_pass.program import _region
 
@@ -119,16 +119,15 @@ def token_groups(
     depends on the other's outputs), tokens with different values are not; ``None`` when the
     reduction holds an op this analysis has no rule for. ``outputs`` stand for their shapes only.
     Decided once per program and sizes."""
-    key = (program.key, tuple((tuple(t.shape), t.dtype) for t in [*outputs, *reduce_inputs]))
-    known = _cache.get(key)
-    if known is None:
+
+    def decide() -> torch.Tensor | None:
         try:
-            known = _analyse(program, outputs, reduce_inputs)
+            return _analyse(program, outputs, reduce_inputs)
         except _Unknown as why:
             log.debug("the tokens %s's loss couples are unknown (%s): tiles run twice", program.key, why)
-            known = False
-        _cache.put(key, known)
-    return known if known is not False else None
+            return None
+
+    return _cache.decided((program.key, shapes_of([*outputs, *reduce_inputs])), decide)
 
 
 def _analyse(program, outputs, reduce_inputs) -> torch.Tensor:

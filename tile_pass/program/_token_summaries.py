@@ -31,7 +31,7 @@ import dataclasses
 import torch
 import torch.fx
 
-from tile_pass._caches import BoundedCache
+from tile_pass._caches import BoundedCache, shapes_of
 from tile_pass._logging import log
 from tile_pass.program import _region
 from tile_pass.program._token_groups import _interpreted, _Interpreter, _traced, _Unknown
@@ -121,17 +121,16 @@ def token_summaries(
     """The reduction's linear summaries, one per group of coupled tokens, or ``None`` where the
     loss does not have that shape (the reason is logged). ``outputs`` stand for their shapes.
     Decided once per program and sizes."""
-    key = (program.key, tuple((tuple(t.shape), t.dtype) for t in [*outputs, *reduce_inputs]))
-    known = _cache.get(key)
-    if known is None:
+
+    def decide() -> TokenSummaries | None:
         try:
-            known = _analyse(program, outputs, reduce_inputs)
+            return _analyse(program, outputs, reduce_inputs)
         except _Unknown as why:
             log.debug("%s: no linear summary per group (%s): a group longer than a tile runs the tiles "
                       "twice", program.key, why)  # fmt: skip
-            known = False
-        _cache.put(key, known)
-    return known if known is not False else None
+            return None
+
+    return _cache.decided((program.key, shapes_of([*outputs, *reduce_inputs])), decide)
 
 
 def _analyse(program, outputs, reduce_inputs) -> TokenSummaries:
