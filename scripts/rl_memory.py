@@ -117,7 +117,7 @@ def main() -> None:
               f"{by['tile_pass']['rewritten']}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"machine": _measure_machine(), "size": args.size, "rows": rows}, out, indent=1)
+            json.dump({"machine": _measure_machine(), "size": args.size, "steps": rows}, out, indent=1)
 
 
 def _measure_machine() -> dict:

@@ -322,3 +322,24 @@ def test_distill_with_a_trained_teacher_is_one_region_against_six_gemms():
     assert "head 2 (hidden @ W.T" in report and "teacher = ht @ wt.t(), trained)" in report, report
     assert "kl_div's gradient" in report and "nll_loss" not in report, report  # the JSD's own loss op
     assert tiled["exact"] is True and max(tiled["err_dh"], tiled["err_dw"], tiled["err_dextra"]) < 1e-4, tiled
+
+
+def test_dpo_pairs_longer_than_a_tile(monkeypatch):
+    """``dpo_sequence`` and ``coupled_tile_mib`` (``--dpo-sequence``, ``--coupled-tile-mib``) make
+    every pair longer than a tile: ``dpo_sigmoid`` keeps three GEMMs per labelled token (per-summary
+    sums), ``dpo``, whose NLL term gives the chosen tokens a second gradient direction, runs the
+    tiles twice (four); both exact, as the profiler counts them in the child."""
+    from tile_pass import _bench_forms
+    from tile_pass.tiles import _coupled_tiles
+
+    monkeypatch.setattr(_bench_forms, "_sequence", _bench_forms._sequence)  # restored after
+    monkeypatch.setattr(_coupled_tiles, "COUPLED_TILE_BYTES", _coupled_tiles.COUPLED_TILE_BYTES)
+    for form, gemms in (("dpo_sigmoid", 3), ("dpo", 4)):
+        cfg = bench.BenchConfig(
+            impl="tile_pass", inner="aot_eager", tokens=512, hidden=32, vocab=500, form=form, repeats=1,
+            tile_tokens=32, ignore_every=0, dpo_sequence=128, coupled_tile_mib=0,
+        )  # fmt: skip
+        row = bench.run_child(cfg)
+        assert row["exact"] is True, row
+        assert row["gemms_per_token"] == pytest.approx(gemms), row["note"]
+        assert f"{gemms}.00 GEMMs per labelled token" in row["note"]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import tile_pass
 from tile_pass import _caches, _textbook
 from tile_pass.plan import _plan
-from tile_pass.program import _region, _token_groups, _token_weights
+from tile_pass.program import _region, _token_groups, _token_summaries, _token_weights
 from tile_pass.tiles import _tile_kernel
 
 
@@ -51,6 +51,7 @@ def test_every_cache_is_one_kind_and_registered():
         "token weights": _token_weights._derived,
         "token weights by sizes": _token_weights._by_sizes,
         "token groups": _token_groups._cache,
+        "token summaries": _token_summaries._cache,
         "textbook graphs": _textbook._graphs,
     }
     registered = _caches.registered()

@@ -10,7 +10,10 @@ by the whole batch's token and pair counts and summed.
 ``dpo``: chosen and rejected sequences concatenated (``[2B, T, H]``), ``x @ W.t() + b`` with a
 learnable ``[V]`` bias, per-token log-probabilities of all rows (``log_softmax`` + ``gather``,
 masked sum per sequence), the cross entropy on the chosen half only, and the sigmoid DPO loss
-of the margin against given reference log-probabilities. ``distill``: a student head and a
+of the margin against given reference log-probabilities. ``dpo_sigmoid``: the same without the
+cross entropy, DPO's sigmoid loss alone (TRL's default ``loss_type="sigmoid"``), whose pairs
+longer than a tile keep three GEMMs per token (:mod:`tile_pass.tiles._summary_tiles`; the NLL
+term of ``dpo`` gives its chosen tokens a second gradient direction). ``distill``: a student head and a
 frozen teacher head (its own hidden states, a different hidden size, same vocabulary), the
 generalized Jensen-Shannon divergence (beta 0.5) between their log-softmaxes at temperature
 2, averaged over the labelled tokens. ``distill_trained``: the same loss code with a teacher
@@ -44,15 +47,19 @@ CHUNK_TOKENS = 512
 # ------------------------------------------------------------------ the losses, written once
 
 
-def _dpo_terms(x, w, b, y, ref_chosen, ref_rejected):
+def _dpo_terms(x, w, b, y, ref_chosen, ref_rejected, nll: bool = True):
     """The head and the DPO terms of ``x``'s sequences (chosen first, rejected second): the
-    chosen half's summed cross entropy and log-sigmoid of each pair's margin."""
+    chosen half's summed cross entropy (``None`` without ``nll``) and log-sigmoid of each pair's
+    margin."""
     logits = x @ w.t() + b
     half = x.shape[0] // 2
     vocab = logits.shape[-1]
-    nll = F.cross_entropy(
-        logits[:half].reshape(-1, vocab), y[:half].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    if nll:
+        nll = F.cross_entropy(
+            logits[:half].reshape(-1, vocab), y[:half].reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+    else:
+        nll = None
     mask = y != IGNORE_INDEX
     per_token = logits.log_softmax(-1).gather(-1, torch.where(mask, y, 0).unsqueeze(-1)).squeeze(-1)
     logps = (per_token * mask).sum(-1)
@@ -90,21 +97,42 @@ def dpo(hidden, weight, labels, bias, ref_chosen, ref_rejected):
     return nll / (y[: y.shape[0] // 2] != IGNORE_INDEX).sum() - log_sigmoid.mean()
 
 
+def dpo_sigmoid(hidden, weight, labels, bias, ref_chosen, ref_rejected):
+    """DPO's sigmoid loss alone on ``[N, H]`` hidden states viewed as ``[2B, T, H]``."""
+    x, y = _sequences(hidden, labels)
+    _, log_sigmoid = _dpo_terms(x, weight, bias, y, ref_chosen, ref_rejected, nll=False)
+    return -log_sigmoid.mean()
+
+
 def distill(hidden, weight, labels, teacher_hidden, teacher_weight):
     """The student's JSD to a frozen teacher, averaged over the labelled tokens."""
     per_token = _jsd_tokens(hidden, weight, teacher_hidden, teacher_weight, labels)
     return per_token.sum() / (labels != IGNORE_INDEX).sum()
 
 
-FORMS: dict[str, Callable] = {"dpo": dpo, "distill": distill, "distill_trained": distill}
+FORMS: dict[str, Callable] = {
+    "dpo": dpo, "dpo_sigmoid": dpo_sigmoid, "distill": distill, "distill_trained": distill,
+}  # fmt: skip
+#: the forms of chosen/rejected pairs (a bias and reference log-probabilities are their extra inputs)
+DPO_FORMS = ("dpo", "dpo_sigmoid")
 #: the forms with a teacher head (its hidden states and weight are the form's extra inputs)
 TEACHER_FORMS = ("distill", "distill_trained")
 
 
+_sequence = DPO_SEQUENCE
+
+
+def use_dpo_sequence(length: int | None) -> None:
+    """Sequences of ``length`` tokens in the ``dpo`` forms from now on (``None``:
+    :data:`DPO_SEQUENCE`): the benchmark's ``--dpo-sequence``, for pairs longer than a tile."""
+    global _sequence
+    _sequence = DPO_SEQUENCE if length is None else length
+
+
 def dpo_sequence(tokens: int) -> int:
-    """Tokens per sequence of ``dpo`` at ``tokens`` in all: :data:`DPO_SEQUENCE`, or a quarter
-    of a small batch (two pairs)."""
-    length = min(DPO_SEQUENCE, tokens // 4)
+    """Tokens per sequence of ``dpo`` at ``tokens`` in all: :data:`DPO_SEQUENCE` (or the length
+    :func:`use_dpo_sequence` set), or a quarter of a small batch (two pairs)."""
+    length = min(_sequence, tokens // 4)
     if length < 1 or tokens % (2 * length):
         raise ValueError(f"the dpo form needs whole chosen/rejected pairs of {length} tokens, not N={tokens}")
     return length
@@ -119,7 +147,7 @@ def form_inputs(form: str, hidden, weight, labels) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(1)
     device, dtype = hidden.device, hidden.dtype
     vocab, width = weight.shape
-    if form == "dpo":
+    if form in DPO_FORMS:
         bias = torch.randn(vocab, generator=gen) * 0.5
         _, y = _sequences(hidden, labels)
         pairs = y.shape[0] // 2
@@ -144,6 +172,11 @@ def _dpo_chunk(x, w, b, y, ref_chosen, ref_rejected, chosen_tokens, pairs):
     return nll / chosen_tokens - log_sigmoid.sum() / pairs
 
 
+def _dpo_sigmoid_chunk(x, w, b, y, ref_chosen, ref_rejected, chosen_tokens, pairs):
+    _, log_sigmoid = _dpo_terms(x, w, b, y, ref_chosen, ref_rejected, nll=False)
+    return -log_sigmoid.sum() / pairs
+
+
 def _distill_chunk(hs, ws, ht, wt, y, valid_tokens):
     return _jsd_tokens(hs, ws, ht, wt, y).sum() / valid_tokens
 
@@ -158,7 +191,8 @@ def chunks(form: str, hidden, weight, labels, *extra, chunk_tokens: int | None =
     """
     if chunk_tokens is None:
         chunk_tokens = min(CHUNK_TOKENS, max(1, labels.shape[0] // 4))
-    if form == "dpo":
+    if form in DPO_FORMS:
+        chunk = _dpo_chunk if form == "dpo" else _dpo_sigmoid_chunk
         bias, ref_chosen, ref_rejected = extra
         x, y = _sequences(hidden, labels)
         pairs = y.shape[0] // 2
@@ -168,7 +202,7 @@ def chunks(form: str, hidden, weight, labels, *extra, chunk_tokens: int | None =
             j = min(pairs, i + step)
             rows = torch.cat([x[i:j], x[pairs + i : pairs + j]]), weight, bias
             rows += (torch.cat([y[i:j], y[pairs + i : pairs + j]]), ref_chosen[i:j], ref_rejected[i:j])
-            yield _dpo_chunk, (*rows, chosen_tokens, pairs)
+            yield chunk, (*rows, chosen_tokens, pairs)
         return
     if form in TEACHER_FORMS:
         teacher_hidden, teacher_weight = extra

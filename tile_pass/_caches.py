@@ -31,6 +31,9 @@ _Value = TypeVar("_Value")
 _registered: weakref.WeakSet[BoundedCache] = weakref.WeakSet()
 
 
+_NO_ANSWER = object()  # :meth:`BoundedCache.decided`'s kept ``None``
+
+
 class BoundedCache:
     """A least-recently-used map of at most ``limit`` entries, emptied by :func:`clear_caches`.
 
@@ -78,6 +81,14 @@ class BoundedCache:
         with self._lock:
             self._keep(key, value)
         return value
+
+    def decided(self, key: Hashable, decide: Callable[[], _Value | None]) -> _Value | None:
+        """``decide()`` once per ``key``, its ``None`` (no answer) kept too: an analysis asked again
+        with the same program and sizes."""
+        known = self.get(key)
+        if known is None:
+            known = self.put(key, _NO_ANSWER if (answer := decide()) is None else answer)
+        return None if known is _NO_ANSWER else known
 
     def setdefault(self, key: Hashable, value: _Value) -> _Value:
         """The value kept for ``key``, or ``value`` kept for it where there is none."""
@@ -158,3 +169,8 @@ def on_tracing_thread(trace: Callable[[], _Value]) -> _Value:
         return trace()
     with tracing_lock():
         return _tracer.submit(_as_tracer, trace).result()
+
+
+def shapes_of(tensors) -> tuple:
+    """The shapes and dtypes of ``tensors``: with a program's key, what an analysis of it depends on."""
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)

@@ -124,7 +124,9 @@ def _reduction_text(region, covered: set, backward: bool = True) -> str:
         scalar = "one scalar loss (its gradient formed in forward)"
         if not region.program.reduction.linear:
             scalar = ("one scalar loss, nonlinear in the tokens' outputs (its gradient formed in forward, "
-                      "each tile holding the tokens the loss couples)")  # fmt: skip
+                      "each tile holding the tokens the loss couples, or a group longer than a tile in "
+                      "per-summary sums; where neither applies, two passes: the debug log says which "
+                      "ran)")  # fmt: skip
         steps = " -> ".join(
             step.describe()
             for step in region.program.reduction.steps  # the user's ops

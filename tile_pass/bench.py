@@ -121,6 +121,8 @@ class BenchConfig:
     form: str = "ce"  # a key of FORMS
     check: bool = True
     dynamic_lengths: list[int] = field(default_factory=list)  # non-empty: the dynamic-shape check
+    dpo_sequence: int | None = None  # tokens per sequence of the dpo forms (None: DPO_SEQUENCE)
+    coupled_tile_mib: int | None = None  # tile_pass's byte budget of a tile holding a coupled group
 
 
 # ------------------------------------------------------------------ the child process
@@ -416,9 +418,21 @@ def _dynamic_check(cfg: BenchConfig, fn: Callable) -> dict[str, Any]:
     return {"lengths": per_length, "graphs": _graph_count(), "recompiles": max(0, _graph_count() - 1)}
 
 
+def _use_coupled_tile_budget(mib: int | None) -> None:
+    """``--coupled-tile-mib``: the bytes a tile may grow to so that it holds a coupled group (a
+    DPO pair), scaled down with a small benchmark shape so that its pairs exceed it, as a pair of
+    2 x 2048 tokens exceeds the default budget at V=128256."""
+    if mib is not None:
+        from tile_pass.tiles import _coupled_tiles
+
+        _coupled_tiles.COUPLED_TILE_BYTES = mib * MiB
+
+
 def run_child(cfg: BenchConfig) -> dict[str, Any]:
     """Measure ``cfg`` in this process (meant to be a fresh one; see :func:`measure_fresh`)."""
     device = torch.device(cfg.device)
+    _bench_forms.use_dpo_sequence(cfg.dpo_sequence)
+    _use_coupled_tile_budget(cfg.coupled_tile_mib)
     out: dict[str, Any] = {**asdict(cfg), "torch": torch.__version__}
     itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     out["logits_mib"] = cfg.tokens * cfg.vocab * itemsize / MiB
@@ -470,6 +484,10 @@ def run_child(cfg: BenchConfig) -> dict[str, Any]:
             if cfg.form in _bench_forms.FORMS:
                 notes.append(f"reduction={rewrites[0].reduction}")
         out["skipped"] = [skip.reason for skip in report.skipped]
+        if rewrites and cfg.form in _bench_forms.FORMS:
+            clear()
+            out["gemms_per_token"] = _gemms_per_token(step, cfg, labels)
+            notes.append(f"{out['gemms_per_token']:.2f} GEMMs per labelled token (profiler)")
         if rewrites:
             ran = plans[-1] if plans else None
             out["tile_tokens"] = ran.tile if ran else rewrites[0].tile_tokens
@@ -539,6 +557,33 @@ def exactness(row: dict[str, Any]) -> dict[str, Any]:
     return {"exact": not bad, **({"inexact": ", ".join(f"{k}={row.get(k)}" for k in bad)} if bad else {})}
 
 
+#: the profiler's names of a step's GEMMs, and where each finds its ``[M, K]`` and ``[K, N]``
+#: operands' sizes: aten's, and oneDNN's linear (``[M, K]``, ``[N, K]``) that float32 CPU tiles run
+_GEMM_OPERANDS = {
+    "aten::mm": (0, 1),
+    "aten::addmm": (1, 2),
+    "aten::addmm_": (1, 2),
+    "mkldnn::_linear_pointwise": (0, 1),
+}
+
+
+def _gemms_per_token(step, cfg: BenchConfig, labels: torch.Tensor) -> float:
+    """One step's GEMM work, from the profiler's record of every GEMM and its operand sizes, in
+    units of one ``[V, H]`` GEMM per labelled token (``2 * V * H`` flops): three for a step that
+    forms every gradient in forward, four where the logits GEMM runs twice."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        step()
+    flops = 0
+    for event in prof.events():
+        where = _GEMM_OPERANDS.get(event.name)
+        if where is None or len(event.input_shapes) <= where[1]:
+            continue
+        (m, k), second = event.input_shapes[where[0]], event.input_shapes[where[1]]
+        flops += 2 * m * k * (second[0] if event.name.startswith("mkldnn") else second[1])
+    tokens = int((labels != IGNORE_INDEX).sum())
+    return flops / (2 * cfg.vocab * cfg.hidden * max(tokens, 1))
+
+
 def run_interleaved(cfgs: Sequence[BenchConfig], rounds: int) -> list[dict[str, list]]:
     """Each config's step times and minor page faults (``{"times": [...], "faults": [...]}``,
     by round), measured in this one process with the steps interleaved, under the allocator the
@@ -552,6 +597,8 @@ def run_interleaved(cfgs: Sequence[BenchConfig], rounds: int) -> list[dict[str, 
     GEMM floor's step runs its GEMMs, each in the library fastest at it (:func:`_floor_step`).
     """
     device = torch.device(cfgs[0].device)
+    _bench_forms.use_dpo_sequence(cfgs[0].dpo_sequence)
+    _use_coupled_tile_budget(cfgs[0].coupled_tile_mib)
     hidden, weight, labels = _make_inputs(cfgs[0])
     steps = []
     for cfg in cfgs:
@@ -606,6 +653,8 @@ def estimated_peak_bytes(cfg: BenchConfig) -> int:
 #: (``chunked``: of one chunk's tokens; the float64 check holds about as many of its chunks)
 _OWN_FORM_COPIES = {
     ("eager", "dpo"): 6, ("inductor", "dpo"): 4, ("chunked", "dpo"): 8,
+    ("eager", "dpo_sigmoid"): 6, ("inductor", "dpo_sigmoid"): 4, ("chunked", "dpo_sigmoid"): 8,
+    ("gemm_floor", "dpo_sigmoid"): 2,
     ("eager", "distill"): 12, ("inductor", "distill"): 8, ("chunked", "distill"): 16,
     ("eager", "distill_trained"): 14, ("inductor", "distill_trained"): 10, ("chunked", "distill_trained"): 18,
     ("gemm_floor", "dpo"): 2, ("gemm_floor", "distill"): 2, ("gemm_floor", "distill_trained"): 2,
@@ -735,18 +784,29 @@ def run_benchmark(
     forms: Sequence[str] = ("ce",),
     interleave: int = 0,
     inner: str = "inductor",
+    dpo_sequence: int | None = None,
+    coupled_tile_mib: int | None = None,
 ) -> list[dict[str, Any]]:
     """Measure every implementation at every ``(tokens, hidden, vocab, dtype)``, one child each.
 
     ``tile_tokens`` lists the tiles tile_pass runs at (``None``: its own choice);
     ``ignore_every=k`` ignores every k-th label (0: none); ``interleave=k``: one more child per
     shape times every row's step in ``k`` interleaved rounds, and the ratios use those times;
-    ``inner``: the compiler of the ``inductor`` row and inside tile_pass (tests: ``aot_eager``).
+    ``inner``: the compiler of the ``inductor`` row and inside tile_pass (tests: ``aot_eager``);
+    ``dpo_sequence``: tokens per sequence of the ``dpo`` forms (``None``: their default);
+    ``coupled_tile_mib``: tile_pass's budget for a tile that holds a coupled group (``None``: its own).
     """
     rows = []
     for tokens, hidden, vocab, dtype in shapes:
         shape = dict(
-            tokens=tokens, hidden=hidden, vocab=vocab, dtype=dtype, device=device, ignore_every=ignore_every
+            tokens=tokens,
+            hidden=hidden,
+            vocab=vocab,
+            dtype=dtype,
+            device=device,
+            ignore_every=ignore_every,
+            dpo_sequence=dpo_sequence,
+            coupled_tile_mib=coupled_tile_mib,
         )
         # one floor for the single-head forms, one per form with GEMMs of its own
         floor_forms = [f for f in forms if f in _bench_forms.FORMS]
@@ -1036,6 +1096,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "the time ratios then use those times (robust to a noisy machine)",
     )  # fmt: skip
     p.add_argument("--ignore-every", type=int, default=7, help="every k-th label is ignored (0: none)")
+    p.add_argument(
+        "--dpo-sequence", type=int, metavar="TOKENS",
+        help=f"tokens per sequence of the dpo forms (default {_bench_forms.DPO_SEQUENCE}): a pair longer "
+        "than tile_pass's tile needs twice this above the tile",
+    )  # fmt: skip
+    p.add_argument(
+        "--coupled-tile-mib", type=int, metavar="MIB",
+        help="tile_pass's byte budget of a tile grown to hold a coupled group (default 256): scaled down "
+        "with a small shape, pairs exceed it as 2 x 2048 tokens exceed the default at V=128256",
+    )  # fmt: skip
+    p.add_argument("--tile-tokens", type=int, help="tile_pass's tile in tokens (default: its own choice)")
     p.add_argument("--no-check", action="store_true", help="skip the float64 exactness check")
     p.add_argument("--no-floor", action="store_true", help="skip the GEMM-floor measurement")
     p.add_argument("--sweep-tile", action="store_true", help="tile_pass at several tile_tokens too")
@@ -1106,14 +1177,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             shapes = FULL
         else:
             shapes = list(itertools.product(args.tokens, args.hidden, args.vocab, dtypes))
-        tiles: list[int | None] = [None]
+        tiles: list[int | None] = [args.tile_tokens]
         if args.sweep_tile:
             tiles += args.tiles or [t for t in SWEEP_TILES if t <= max(s[0] for s in shapes)]
         rows = run_benchmark(
             shapes, impls, device=args.device, repeats=args.repeats, check=not args.no_check,
             floor=not args.no_floor, tile_tokens=tiles, timeout=args.timeout,
             warm_cache=args.warm_cache, ignore_every=args.ignore_every, progress=progress, forms=forms,
-            interleave=args.interleave,
+            interleave=args.interleave, dpo_sequence=args.dpo_sequence,
+            coupled_tile_mib=args.coupled_tile_mib,
         )  # fmt: skip
         result["rows"] = rows
         print(format_table(rows, markdown=args.markdown, machine=machine))

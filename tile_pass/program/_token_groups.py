@@ -27,7 +27,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tile_pass._caches import BoundedCache, on_tracing_thread
+from tile_pass._caches import BoundedCache, on_tracing_thread, shapes_of
 from tile_pass._logging import log
 from tile_pass.program import _region
 from tile_pass.program._operands import RegionOperands
@@ -121,20 +121,24 @@ def token_groups(
     reduction holds an op this analysis has no rule for. ``outputs`` stand for their shapes only.
     Decided once per program and sizes."""
     inputs = _region.reduction_inputs(operands)
-    key = (program.key, tuple((tuple(t.shape), t.dtype) for t in [*outputs, *inputs]))
-    known = _cache.get(key)
-    if known is None:
+
+    def decide() -> torch.Tensor | None:
         try:
-            known = _analyse(program, outputs, inputs)
+            return _analyse(program, outputs, inputs)
         except _Unknown as why:
             log.debug("the tokens %s's loss couples are unknown (%s): tiles run twice", program.key, why)
-            known = False
-        _cache.put(key, known)
-    return known if known is not False else None
+            return None
+
+    return _cache.decided((program.key, shapes_of([*outputs, *inputs])), decide)
 
 
 def _analyse(program, outputs, inputs) -> torch.Tensor:
     """The groups, from the loss traced on ``outputs`` and ``inputs`` (its other inputs, flat)."""
+    return _interpreted(_traced(program, outputs, inputs), outputs, inputs).classes.roots()
+
+
+def _traced(program, outputs, inputs) -> torch.fx.GraphModule:
+    """The reduction traced to aten at these sizes (fake tensors: no data-dependent Python)."""
     reduction = program.reduction
     num_outputs = len(outputs)
     device_type = outputs[0].device.type
@@ -144,16 +148,23 @@ def _analyse(program, outputs, inputs) -> torch.Tensor:
         return _region.run_reduction(reduction, list(args[:num_outputs]), operands, device_type)
 
     try:
-        graph = on_tracing_thread(lambda: make_fx(loss, tracing_mode="fake")(*outputs, *inputs))
+        # functionalized: a write in place (``margin += ...``) is traced as the op it replays
+        pure = torch.func.functionalize(loss, remove="mutations")
+        return on_tracing_thread(lambda: make_fx(pure, tracing_mode="fake")(*outputs, *inputs))
     except Exception as why:  # data-dependent Python: no graph to read
         raise _Unknown(f"not traceable: {why}") from None
-    num_tokens = outputs[0].shape[0]
+
+
+def _interpreted(graph: torch.fx.GraphModule, outputs, inputs) -> _Interpreter:
+    """The traced reduction run on token ids: its classes joined, each value's ids kept."""
+    interpreter = _Interpreter(graph.graph, outputs[0].shape[0], outputs, inputs)
     try:
-        return _Interpreter(graph.graph, num_tokens, outputs, inputs).run()
+        interpreter.run()
     except _Unknown:
         raise
     except Exception as why:  # an op's ids could not be formed as its values are: no groups
         raise _Unknown(f"{type(why).__name__}: {why}") from None
+    return interpreter
 
 
 class _Interpreter:

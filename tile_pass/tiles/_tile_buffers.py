@@ -94,13 +94,26 @@ def zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 @contextlib.contextmanager
 def shared() -> Iterator[None]:
-    """Run the tiles of one loop with one shared logits buffer per dtype, freed on exit."""
-    outer = getattr(_local, "buffers", None)
-    _local.buffers = {}
+    """Run the tiles of one loop with one shared logits buffer per dtype, freed on exit (or
+    with the buffers of the enclosing :func:`across_loops`)."""
+    outer, carried = getattr(_local, "buffers", None), getattr(_local, "carried", None)
+    _local.buffers, _local.carried = ({} if carried is None else carried), None
     try:
         yield
     finally:
-        _local.buffers = outer
+        _local.buffers, _local.carried = outer, carried
+
+
+@contextlib.contextmanager
+def across_loops() -> Iterator[None]:
+    """The loops run directly inside (one per group of :mod:`tile_pass.tiles._summary_tiles`)
+    share one set of buffers, freed on exit: a loop does not fault a fresh logits buffer in."""
+    outer = getattr(_local, "carried", None)
+    _local.carried = {}
+    try:
+        yield
+    finally:
+        _local.carried = outer
 
 
 def _take(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

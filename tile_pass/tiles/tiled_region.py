@@ -41,9 +41,11 @@ from tile_pass.plan._plan import RegionCall, plan_tiles
 from tile_pass.program import _region
 from tile_pass.program._operands import GroupKind, RegionOperands, no_gradient
 from tile_pass.program._region import RowProgram
+from tile_pass.program._token_summaries import token_summaries
 from tile_pass.program._token_weights import token_weights
 from tile_pass.tiles._coupled_tiles import coupled_tiles
 from tile_pass.tiles._higher_order import anchors, refuse_higher_order, scaled_by_upstream
+from tile_pass.tiles._summary_tiles import accumulation_pays, refusal, summary_tiles
 from tile_pass.tiles._tile_kernel import TILE_KERNEL_CACHE_SIZE
 from tile_pass.tiles._tile_loop import cached, check_indices, run_tiles, skipped_rows
 from tile_pass.tiles._tile_results import (
@@ -141,7 +143,7 @@ def _nonlinear_loss_tiles(region: RowProgram, plan: RegionCall, given: RegionOpe
     )  # fmt: skip
     shapes = zero_outputs(region, hidden.shape[0], hidden.device)
     tiles = coupled_tiles(region, shapes, given, rows, tile_plan)
-    how = "tiles of whole coupled groups" if tiles is not None else "two passes over the tiles"
+    how = "tiles of whole coupled groups" if tiles is not None else "groups no tile holds"
     log.debug("%s: a loss nonlinear in the outputs, %s", region.key, how)
     if tiles is not None:
         result = run_tiles(region, plan, tiled, {}, need, coupled=tiles, loss_operands=given)
@@ -151,11 +153,41 @@ def _nonlinear_loss_tiles(region: RowProgram, plan: RegionCall, given: RegionOpe
         # NaN (zero times NaN), so every token runs
         tiles = coupled_tiles(region, shapes, given, None, tile_plan)
         return run_tiles(region, plan, tiled, {}, need, coupled=tiles, loss_operands=given)
+    result = _summed_groups(region, plan, given, shapes, need, rows, tile_plan)
+    if result is not None:
+        return result
     outputs, _ = run_tiles(region, plan, tiled, {}, nothing, rows=rows)
     tangents = token_weights(region, outputs, given)
     rows = skipped_rows(region, tiled, tangents, values=False)
     _, grads = run_tiles(region, plan, tiled, tangents, need, keep_outputs=False, rows=rows)
     return outputs, grads
+
+
+def _summed_groups(
+    region: RowProgram, plan: RegionCall, given: RegionOperands, shapes, need, rows, tile_plan
+):
+    """Groups longer than a tile in per-summary sums (:mod:`tile_pass.tiles._summary_tiles`),
+    three GEMMs per token, or ``None`` where the loss or the loop does not admit them."""
+    tiled = _tiled(given)
+    hidden, weight = tiled.hidden, tiled.weight
+    summaries = token_summaries(region, shapes, given)
+    why = "the loss has no linear summary per group" if summaries is None else refusal(region, weight, need)
+    if why is None:
+        tokens = torch.arange(hidden.shape[0]) if rows is None else rows.cpu()
+        sizes = torch.bincount(summaries.groups[tokens], minlength=hidden.shape[0])[summaries.summed_groups]
+        if not accumulation_pays(
+            [s for s in sizes.tolist() if s], tile_plan.tile, weight, tile_plan.bytes_per_token
+        ):
+            why = "its per-group sums would move more bytes than a second pass over the tiles"
+    if why is not None:
+        log.debug("%s: groups longer than a tile, two passes over the tiles: %s", region.key, why)
+        return None
+    head = (region, plan, tiled)
+    result = summary_tiles(run_tiles, head, summaries, given, need, rows, shapes)
+    if rows is None or _finite_where_skipped(region, result[0], given, rows):
+        return result
+    # a token left out reaches the loss with a non-finite weight (eager's gradient is NaN there)
+    return summary_tiles(run_tiles, head, summaries, given, need, None, shapes)
 
 
 def _finite_where_skipped(region, outputs, given: RegionOperands, rows) -> bool:
