@@ -105,29 +105,27 @@ def complementary_halves(h, w, y):
     return -F.logsigmoid(0.1 * (chosen - rejected)).mean()
 
 
-def chunked_logsumexp_one_chunk(h, w, y):
-    """OpenRLHF's ``_logsumexp_by_chunk`` with a chunk longer than the sequence: the one slice
-    ``[0:N]`` covers every row, written into a zero buffer."""
-    logits = h @ w.t()
-    flat = logits.reshape(-1, logits.shape[-1])
-    lse = torch.zeros(flat.shape[0], dtype=flat.dtype)
-    for start in range(0, flat.shape[0], 1024):
-        stop = min(start + 1024, flat.shape[0])
-        lse[start:stop] = torch.logsumexp(flat[start:stop], dim=-1)
-    picked = torch.gather(logits, -1, y.unsqueeze(-1)).squeeze(-1)
-    return -(picked - lse.view(y.shape)).mean()
+def _chunked_logsumexp(chunk: int):
+    """OpenRLHF's ``_logsumexp_by_chunk``: the rows' log-sum-exp by chunks of ``chunk`` rows,
+    written into a zero buffer; the chunks together cover every row."""
+
+    def loss(h, w, y):
+        logits = h @ w.t()
+        flat = logits.reshape(-1, logits.shape[-1])
+        lse = torch.zeros(flat.shape[0], dtype=flat.dtype)
+        for start in range(0, flat.shape[0], chunk):
+            stop = min(start + chunk, flat.shape[0])
+            lse[start:stop] = torch.logsumexp(flat[start:stop], dim=-1)
+        picked = torch.gather(logits, -1, y.unsqueeze(-1)).squeeze(-1)
+        return -(picked - lse.view(y.shape)).mean()
+
+    return loss
 
 
-def chunked_logsumexp_many_chunks(h, w, y):
-    """The same with chunks of 5 rows, the last one short: the chunks together cover every row."""
-    logits = h @ w.t()
-    flat = logits.reshape(-1, logits.shape[-1])
-    lse = torch.zeros(flat.shape[0], dtype=flat.dtype)
-    for start in range(0, flat.shape[0], 5):
-        stop = min(start + 5, flat.shape[0])
-        lse[start:stop] = torch.logsumexp(flat[start:stop], dim=-1)
-    picked = torch.gather(logits, -1, y.unsqueeze(-1)).squeeze(-1)
-    return -(picked - lse.view(y.shape)).mean()
+#: one chunk longer than the sequence (the one slice ``[0:N]`` covers every row), and chunks of
+#: 5 rows, the last one short
+chunked_logsumexp_one_chunk = _chunked_logsumexp(1024)
+chunked_logsumexp_many_chunks = _chunked_logsumexp(5)
 
 
 def batch_slices_of_a_token_slice(h, w, y):

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICES, assert_close_to_oracle
+from test_coupled_tiles import _data as _pairs
 
 import tile_pass
 from tile_pass.plan import _plan
@@ -46,18 +47,11 @@ FORMS = {
 
 
 def _data(device, dtype=torch.float64, empty=True):
-    """Three pairs; sequence 1 has no labelled token (``empty``; else one), sequence 4 two."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(B2, T, H, generator=g)
-    w = torch.randn(V, H, generator=g) * 0.5
-    b = torch.randn(V, generator=g)
-    y = torch.randint(0, V, (B2, T), generator=g)
-    y[1, 1 - empty :] = L.IGNORE
-    y[4, 2:] = L.IGNORE
-    ref = (torch.randn(B2 // 2, generator=g) - 3.0, torch.randn(B2 // 2, generator=g) - 3.0)
-    w_ref = torch.randn(V, H, generator=g) * 0.5
-    params = [t.to(device, dtype) for t in (x, w, b)]
-    return params, y.to(device), [r.to(device, dtype) for r in ref], w_ref.to(device, dtype)
+    """test_coupled_tiles' three pairs (sequence 1 with no labelled token, sequence 4 with two), and
+    a reference head's weight."""
+    params, y, ref = _pairs(device, dtype, empty)
+    w_ref = torch.randn(V, H, generator=torch.Generator().manual_seed(1)) * 0.5
+    return params, y, ref, w_ref.to(device, dtype)
 
 
 def _args(name, y, ref, w_ref):
