@@ -90,35 +90,48 @@ def _normalize(matcher, node: torch.fx.Node) -> list[Classified]:
     return [Classified(matcher.step(node, target, (source, -1), kwargs), shape)]
 
 
-#: the ops over each row's vocabulary, one registration per set of facts (see ``OpFacts``)
-register_ops(
-    "sum", kind=RuleKind.VOCAB_REDUCTION, zeros=keeps_zeros, linear=Linear.FIRST, sharded=shard_sum,
-    folds=Fold.NEGATIVE_DIMS, head_sign=False, signature=_SUM_SIGNATURE, **_REDUCES_ROWS,
-)(_vocab_reduction)  # fmt: skip
-register_ops(
-    "mean", kind=RuleKind.VOCAB_REDUCTION, zeros=None, linear=Linear.FIRST, sharded=shard_mean,
-    folds=Fold.NEGATIVE_DIMS, head_sign=False, signature=_SUM_SIGNATURE, **_REDUCES_ROWS,
-)(_vocab_reduction)  # fmt: skip
-register_ops(
-    "logsumexp", kind=RuleKind.VOCAB_REDUCTION, zeros=None, linear=Linear.NONE, sharded=shard_logsumexp,
-    folds=Fold.NEGATIVE_DIMS, head_sign=True, signature=_LOGSUMEXP_SIGNATURE, **_REDUCES_ROWS,
-)(_vocab_reduction)  # fmt: skip
-register_ops(
-    "amax", "amin", kind=RuleKind.VOCAB_REDUCTION, zeros=None, linear=Linear.NONE, sharded=None,
-    folds=Fold.NEGATIVE_DIMS, head_sign=False, signature=_AMAX_SIGNATURE, **_REDUCES_ROWS,
-)(_vocab_reduction)  # fmt: skip
-register_ops(
-    "argmax", "argmin", "max", "min", kind=RuleKind.VOCAB_REDUCTION, zeros=None, linear=Linear.NONE,
-    sharded=None, folds=Fold.NEVER, head_sign=False, signature=_ARGMAX_SIGNATURE, **_REDUCES_ROWS,
-)(_vocab_reduction)  # fmt: skip
-register_ops(
-    "softmax", kind=RuleKind.NORMALIZE, zeros=None, linear=Linear.NONE, sharded=shard_softmax,
-    folds=Fold.NEGATIVE_DIMS, head_sign=False, signature=_NORMALIZE_SIGNATURE, **_REDUCES_ROWS,
-)(_normalize)  # fmt: skip
-register_ops(
-    "log_softmax", kind=RuleKind.NORMALIZE, zeros=None, linear=Linear.NONE, sharded=shard_log_softmax,
-    folds=Fold.NEGATIVE_DIMS, head_sign=True, signature=_NORMALIZE_SIGNATURE, **_REDUCES_ROWS,
-)(_normalize)  # fmt: skip
+def _over_the_row(
+    *keys: str,
+    rule,
+    signature,
+    zeros=None,
+    linear: Linear = Linear.NONE,
+    sharded=None,
+    head_sign: bool = False,
+    folds: Fold = Fold.NEGATIVE_DIMS,
+) -> None:
+    """Register the reductions (``rule=_vocab_reduction``) or normalisations (``_normalize``) over
+    the vocabulary ``keys`` by the facts that vary between them, all named: the signature their
+    arguments bind by; where they are zero (nowhere known, unless given); what they are linear in
+    (nothing, unless given); their sharded form (none: a sharded head declines them); whether
+    reading the logits they sign an LM head; how a per-row loop of them folds (over negative
+    dims, unless given). :data:`_REDUCES_ROWS` holds the facts they all share."""
+    kind = RuleKind.NORMALIZE if rule is _normalize else RuleKind.VOCAB_REDUCTION
+    register_ops(
+        *keys, kind=kind, zeros=zeros, linear=linear, sharded=sharded, head_sign=head_sign, folds=folds,
+        signature=signature, **_REDUCES_ROWS,
+    )(rule)  # fmt: skip
+
+
+_over_the_row(
+    "sum", rule=_vocab_reduction, signature=_SUM_SIGNATURE, zeros=keeps_zeros, linear=Linear.FIRST,
+    sharded=shard_sum,
+)  # fmt: skip
+_over_the_row(
+    "mean", rule=_vocab_reduction, signature=_SUM_SIGNATURE, linear=Linear.FIRST, sharded=shard_mean
+)
+_over_the_row(
+    "logsumexp", rule=_vocab_reduction, signature=_LOGSUMEXP_SIGNATURE, sharded=shard_logsumexp,
+    head_sign=True,
+)  # fmt: skip
+_over_the_row("amax", "amin", rule=_vocab_reduction, signature=_AMAX_SIGNATURE)
+_over_the_row(
+    "argmax", "argmin", "max", "min", rule=_vocab_reduction, signature=_ARGMAX_SIGNATURE, folds=Fold.NEVER
+)
+_over_the_row("softmax", rule=_normalize, signature=_NORMALIZE_SIGNATURE, sharded=shard_softmax)
+_over_the_row(
+    "log_softmax", rule=_normalize, signature=_NORMALIZE_SIGNATURE, sharded=shard_log_softmax, head_sign=True
+)  # fmt: skip
 
 
 @register_ops(
